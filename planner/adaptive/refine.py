@@ -1,0 +1,55 @@
+"""CP-SAT refinement of a greedy schedule: solve, then let the simulator judge the result."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+
+from planner.contract import Schedule
+from planner.cpsat import SolveStatus, improve_orders
+from planner.errors import ScheduleRuleError
+from planner.orders import Orders, to_schedule
+from planner.problem import Problem
+
+log = logging.getLogger(__name__)
+
+
+def refine_with_cpsat(
+    problem: Problem,
+    hint: Orders,
+    time_limit: timedelta,
+    lower_bound_ms: float,
+    memory_bound_ms: float,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[Schedule | None, dict[str, object]]:
+    """Improve `hint` with the CP-SAT model under `time_limit`.
+
+    Returns the replayed schedule of the model's orders (None when it found none or the
+    simulator rejects them) and a summary: status, model period, proven bound, wall time.
+    """
+
+    def on_progress(elapsed: float, period: float, bound: float) -> None:
+        if progress:
+            progress(f"cp-sat {elapsed:5.1f}s: period {period:.3f} ms, bound {bound:.3f} ms")
+
+    outcome = improve_orders(
+        problem, hint, time_limit=time_limit, lower_bound_ms=lower_bound_ms, progress=on_progress
+    )
+    info: dict[str, object] = {
+        "status": outcome.status.name,
+        "period_ms": outcome.period_ms,
+        "bound_ms": max(outcome.bound_ms, memory_bound_ms) if outcome.bound_ms else memory_bound_ms,
+        "cpsat_bound_ms": outcome.bound_ms,
+        "wall_s": outcome.wall_s,
+    }
+    if outcome.orders is None or outcome.status not in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE):
+        return None, info
+    try:
+        sched = to_schedule(problem, outcome.orders, strategy="recycle-cpsat")
+    except ScheduleRuleError as exc:  # the referee disagrees with the model: keep the greedy plan
+        log.warning("CP-SAT orders rejected by the simulator: %s", exc)
+        info["rejected"] = str(exc)
+        return None, info
+    info["replayed_ms"] = sched.iteration_time_ms
+    return sched, info

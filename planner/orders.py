@@ -1,0 +1,54 @@
+"""Orders: what every generator produces, and how they become a CONTRACT.md schedule document.
+
+An order is a worker's list of (op, micro-batch) for one iteration, ending with ("OPT", None).
+Timing is not the generators' business: `to_schedule` asks the simulator (the referee) to replay
+the orders and stamps its predicted times and iteration time on the document.
+"""
+
+from __future__ import annotations
+
+from planner.contract import Action, Schedule, WorkerSchedule
+from planner.problem import MicroBatchId, Problem, WorkerId
+from planner.simulator import replay
+
+OrderEntry = tuple[str, MicroBatchId | None]
+Orders = dict[WorkerId, list[OrderEntry]]
+
+
+def to_schedule(problem: Problem, orders: Orders, strategy: str, num_iterations: int = 4) -> Schedule:
+    """Build the schedule document for `orders` with the simulator's times stamped on it.
+
+    Raises ScheduleRuleError when the orders deadlock or break a structural rule.
+    """
+    draft = Schedule(
+        job=problem.job.name,
+        failed=[tuple(w) for w in problem.scenario.failed],
+        slow=list(problem.scenario.slow) or None,
+        iteration_time_ms=0.0,
+        strategy=strategy,
+        workers=[
+            WorkerSchedule(
+                worker=w,
+                actions=[Action(op=op, mb=mb) for op, mb in orders[w]],  # type: ignore[arg-type]
+            )
+            for w in problem.workers()
+        ],
+    )
+    result = replay(problem.job, problem.scenario, draft, num_iterations=num_iterations)
+    for ws in draft.workers:
+        times = result.first_iteration_times[tuple(ws.worker)]
+        for action, (start, end) in zip(ws.actions, times, strict=True):
+            action.start_ms = round(start, 6)
+            action.end_ms = round(end, 6)
+    draft.iteration_time_ms = result.iteration_time_ms
+    return draft
+
+
+def orders_of(schedule: Schedule) -> Orders:
+    """The orders a schedule document carries."""
+    return {
+        (ws.worker[0], ws.worker[1]): [
+            (a.op, (a.mb[0], a.mb[1]) if a.mb is not None else None) for a in ws.actions
+        ]
+        for ws in schedule.workers
+    }

@@ -1,0 +1,173 @@
+"""The adaptive planner: greedy portfolio first, CP-SAT where it can still gain, referee always.
+
+plan() is the one entry point the CLI and the service call. It normalizes the scenario (pipeline
+permutations share a plan), builds orders with the greedy list scheduler over a small portfolio of
+policies, hands the best to CP-SAT only when it is measurably above the lower bound, replays every
+candidate with the independent simulator, and maps the winner back to the physical workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from functools import lru_cache
+
+from planner.adaptive.greedy import GreedyOptions, run_greedy
+from planner.bounds import load_bound, memory_bound
+from planner.contract import FailureScenario, JobSpec, Schedule
+from planner.normalize import Normalized, job_fingerprint, normalize, to_physical
+from planner.orders import Orders, to_schedule
+from planner.problem import Problem
+from planner.simulator import ValidationReport, validate
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIME_LIMIT = timedelta(seconds=float(os.environ.get("RECYCLE_SOLVER_TIME_LIMIT_S", "10")))
+CPSAT_MAX_OPS = int(os.environ.get("RECYCLE_CPSAT_MAX_OPS", "8000"))  # larger: greedy (decomposed) only
+GAIN_THRESHOLD = 1e-3  # a schedule within 0.1% of the best bound is not worth a solve
+
+# Tried in order; stops early once a schedule meets the bound. Each differs in how eagerly deferred
+# W fills idle time and how many activations a worker keeps in flight (see GreedyOptions).
+PORTFOLIO: tuple[GreedyOptions, ...] = (
+    GreedyOptions(),
+    GreedyOptions(w_patience=0.3),
+    GreedyOptions(w_patience=0.6),
+    GreedyOptions(w_patience=1.0),
+    GreedyOptions(w_patience=1.0, inflight_extra=2),
+    GreedyOptions(w_patience=0.3, inflight_extra=1),
+)
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class PlanResult:
+    """A validated schedule and the figures a user judges it by."""
+
+    schedule: Schedule
+    report: ValidationReport
+    lower_bound_ms: float
+    memory_bound_ms: float
+    baseline_1f1b_ms: float
+    greedy_ms: float
+    greedy_s: float
+    source: str  # "greedy" or "cpsat"
+    key: str
+    cpsat: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def iteration_time_ms(self) -> float:
+        return self.schedule.iteration_time_ms
+
+    @property
+    def throughput_retained(self) -> float:
+        """Failure-free 1F1B iteration time over this schedule's: 1.0 means no loss at all."""
+        return self.baseline_1f1b_ms / self.iteration_time_ms if self.iteration_time_ms else 0.0
+
+    def figures(self) -> dict[str, object]:
+        """JSON-able summary (the CLI's --json and the benchmark read this)."""
+        return {
+            "job": self.schedule.job,
+            "failed": [list(w) for w in self.schedule.failed],
+            "iteration_time_ms": self.iteration_time_ms,
+            "baseline_1f1b_ms": self.baseline_1f1b_ms,
+            "throughput_retained": self.throughput_retained,
+            "lower_bound_ms": self.lower_bound_ms,
+            "memory_bound_ms": self.memory_bound_ms,
+            "gap_to_lower_bound": self.iteration_time_ms / self.lower_bound_ms - 1,
+            "gap_to_memory_bound": self.iteration_time_ms / self.memory_bound_ms - 1,
+            "greedy_ms": self.greedy_ms,
+            "greedy_s": self.greedy_s,
+            "source": self.source,
+            "cpsat": self.cpsat,
+            "key": self.key,
+            "validation": self.report.to_dict(),
+        }
+
+
+@lru_cache(maxsize=64)
+def _baseline_1f1b_cached(fingerprint: str, job_json: str) -> float:
+    from planner.baselines import baseline_schedule
+
+    job = JobSpec.model_validate_json(job_json)
+    return baseline_schedule("1f1b", job, FailureScenario()).iteration_time_ms
+
+
+def baseline_1f1b_ms(job: JobSpec) -> float:
+    """Iteration time of failure-free 1F1B (fused backward) for this job: what users run today."""
+    return _baseline_1f1b_cached(job_fingerprint(job), job.model_dump_json())
+
+
+def plan_greedy(
+    problem: Problem, target_ms: float, progress: Progress | None = None
+) -> tuple[Orders, Schedule]:
+    """Best greedy schedule over the portfolio (replayed by the simulator); stops at `target_ms`."""
+    best: tuple[Orders, Schedule] | None = None
+    for i, opts in enumerate(PORTFOLIO):
+        orders = run_greedy(problem, opts).steady_orders()
+        sched = to_schedule(problem, orders, strategy="recycle-greedy")
+        log.debug("greedy %s: %.3f ms", opts, sched.iteration_time_ms)
+        if best is None or sched.iteration_time_ms < best[1].iteration_time_ms - 1e-9:
+            best = (orders, sched)
+        if progress:
+            progress(f"greedy {i + 1}/{len(PORTFOLIO)}: best {best[1].iteration_time_ms:.3f} ms")
+        if best[1].iteration_time_ms <= target_ms * (1 + 1e-9):
+            break
+    assert best is not None
+    return best
+
+
+def plan(
+    job: JobSpec,
+    scenario: FailureScenario,
+    time_limit: timedelta = DEFAULT_TIME_LIMIT,
+    use_cpsat: bool = True,
+    progress: Progress | None = None,
+) -> PlanResult:
+    """Plan `scenario` for `job`: a validated schedule on the physical workers, with its figures.
+
+    Raises InvalidInputError / UnrecoverableScenarioError for bad input; never returns a schedule
+    the simulator rejects.
+    """
+    scenario.check_against(job)
+    norm: Normalized = normalize(job, scenario)
+    problem = Problem.build(job, norm.scenario)
+    lb = load_bound(job, norm.scenario)
+    mb = memory_bound(job, norm.scenario)
+    t0 = time.perf_counter()
+    orders, best = plan_greedy(problem, target_ms=mb, progress=progress)
+    greedy_s = time.perf_counter() - t0
+    greedy_ms = best.iteration_time_ms
+    source, cpsat_info = "greedy", {}
+    num_ops = sum(len(o) for o in orders.values())
+    if use_cpsat and greedy_ms > mb * (1 + GAIN_THRESHOLD):
+        if num_ops <= CPSAT_MAX_OPS:
+            from planner.adaptive.refine import refine_with_cpsat
+
+            improved, cpsat_info = refine_with_cpsat(problem, orders, time_limit, lb, mb, progress)
+            if improved is not None and improved.iteration_time_ms < greedy_ms - 1e-9:
+                best, source = improved, "cpsat"
+        else:
+            cpsat_info = {
+                "status": "SKIPPED",
+                "reason": f"{num_ops} ops > RECYCLE_CPSAT_MAX_OPS={CPSAT_MAX_OPS}",
+            }
+    physical = to_physical(best, norm, scenario)
+    physical.strategy = "recycle-" + source
+    report = validate(job, scenario, physical)
+    return PlanResult(
+        schedule=physical,
+        report=report,
+        lower_bound_ms=lb,
+        memory_bound_ms=mb,
+        baseline_1f1b_ms=baseline_1f1b_ms(job),
+        greedy_ms=greedy_ms,
+        greedy_s=greedy_s,
+        source=source,
+        key=norm.key,
+        cpsat=cpsat_info,
+    )
