@@ -122,12 +122,12 @@ class FailureScenario(_Doc):
 
     @model_validator(mode="after")
     def _check_duplicates(self) -> FailureScenario:
-        seen: set[tuple[int, int]] = set()
+        seen: set[tuple[int, ...]] = set()
         for i, w in enumerate(self.failed):
             if tuple(w) in seen:
                 raise ValueError(f"failed[{i}]: worker {list(w)} is listed twice")
             seen.add(tuple(w))
-        slow_seen: set[tuple[int, int]] = set()
+        slow_seen: set[tuple[int, ...]] = set()
         for i, sw in enumerate(self.slow):
             if tuple(sw.worker) in seen:
                 raise ValueError(f"slow[{i}]: worker {list(sw.worker)} is also listed as failed")
@@ -189,7 +189,7 @@ class WorkerSchedule(_Doc):
 class Schedule(_Doc):
     """A per-worker order for one iteration, repeated every iteration (CONTRACT.md section 3)."""
 
-    format: Literal["recycle-schedule/1"] = Field(default=SCHEDULE_FORMAT, description="Document format.")
+    format: Literal["recycle-schedule/1"] = Field(default="recycle-schedule/1", description="Document format.")
     job: str = Field(description="Name of the job spec this schedule is for.")
     failed: list[Worker] = Field(default_factory=list, description="The failure set it was planned for.")
     iteration_time_ms: float = Field(ge=0, description="Predicted steady-state time per iteration (replay).")
