@@ -119,10 +119,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
         scenario = read_document(args.scenario, FailureScenario, "failure scenario")
     else:
         scenario = schedule.scenario()
-    if args.iterations < 4:
+    iterations = args.iterations or schedule.replay_iterations or 4
+    if iterations < 4:
         raise InvalidInputError("--iterations must be at least 4 (CONTRACT.md section 4)")
     try:
-        report = validate(job, scenario, schedule, num_iterations=args.iterations)
+        report = validate(job, scenario, schedule, num_iterations=iterations)
     except ScheduleRuleError as exc:
         if args.json:
             print(json.dumps({"valid": False, "rule": exc.rule, "error": str(exc)}))
@@ -171,7 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("job", help="job spec JSON")
     v.add_argument("schedule", help="schedule JSON (CONTRACT.md section 3)")
     v.add_argument("--scenario", help="failure scenario JSON (default: the schedule's own failed/slow)")
-    v.add_argument("--iterations", type=int, default=4, help="replayed iterations K (>= 4, default 4)")
+    v.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        help="replayed iterations K (>= 4; default: the schedule's replay_iterations, else 4)",
+    )
     v.add_argument("--json", action="store_true", help="print JSON")
     v.set_defaults(func=cmd_validate)
 

@@ -189,7 +189,9 @@ class WorkerSchedule(_Doc):
 class Schedule(_Doc):
     """A per-worker order for one iteration, repeated every iteration (CONTRACT.md section 3)."""
 
-    format: Literal["recycle-schedule/1"] = Field(default="recycle-schedule/1", description="Document format.")
+    format: Literal["recycle-schedule/1"] = Field(
+        default="recycle-schedule/1", description="Document format."
+    )
     job: str = Field(description="Name of the job spec this schedule is for.")
     failed: list[Worker] = Field(default_factory=list, description="The failure set it was planned for.")
     iteration_time_ms: float = Field(ge=0, description="Predicted steady-state time per iteration (replay).")
@@ -198,6 +200,11 @@ class Schedule(_Doc):
         default=None, description="Optional: the slow workers it was planned for."
     )
     strategy: str | None = Field(default=None, description="Optional: which planner or baseline made it.")
+    replay_iterations: int | None = Field(
+        default=None,
+        ge=4,
+        description="Optional: the K of CONTRACT.md section 4 that iteration_time_ms was replayed with.",
+    )
 
     def scenario(self) -> FailureScenario:
         """The failure scenario this schedule states it was planned for."""

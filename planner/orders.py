@@ -26,6 +26,7 @@ def to_schedule(problem: Problem, orders: Orders, strategy: str, num_iterations:
         slow=list(problem.scenario.slow) or None,
         iteration_time_ms=0.0,
         strategy=strategy,
+        replay_iterations=num_iterations,
         workers=[
             WorkerSchedule(
                 worker=w,

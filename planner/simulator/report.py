@@ -1,0 +1,95 @@
+"""The validator: replay + memory capacity + claimed iteration time, and the figures of a schedule."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from planner.bounds import load_bound
+from planner.contract import FailureScenario, JobSpec, Schedule
+from planner.errors import ScheduleRuleError
+from planner.simulator.engine import WorkerKey, replay
+
+CLAIM_TOLERANCE = 1e-6  # relative (times max(1, T)) slack on the claimed iteration time
+MEMORY_TOLERANCE = 1e-9  # relative slack on the capacity, for float sums that land exactly on it
+
+
+@dataclass
+class ValidationReport:
+    """Figures of a valid schedule. Worker keys are (d, s)."""
+
+    iteration_time_ms: float
+    lower_bound_ms: float  # planner.bounds.load_bound(job, scenario)
+    gap: float  # iteration_time / lower_bound - 1
+    bubble_ratio: float  # 1 - sum(busy per iteration) / (num alive workers * iteration_time)
+    peak_memory_mib: dict[WorkerKey, float]
+    peak_memory_by_stage: list[float]  # max over the stage's alive workers
+    capacity_by_stage: list[float | None]
+    num_iterations: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form: worker keys as "d,s", non-finite numbers as None."""
+
+        def num(x: float) -> float | None:
+            return x if math.isfinite(x) else None
+
+        return {
+            "iteration_time_ms": self.iteration_time_ms,
+            "lower_bound_ms": self.lower_bound_ms,
+            "gap": num(self.gap),
+            "bubble_ratio": self.bubble_ratio,
+            "peak_memory_mib": {f"{d},{s}": v for (d, s), v in sorted(self.peak_memory_mib.items())},
+            "peak_memory_by_stage": list(self.peak_memory_by_stage),
+            "capacity_by_stage": list(self.capacity_by_stage),
+            "num_iterations": self.num_iterations,
+        }
+
+
+def validate(
+    job: JobSpec,
+    scenario: FailureScenario,
+    schedule: Schedule,
+    num_iterations: int = 4,
+    check_claim: bool = True,
+) -> ValidationReport:
+    """Validate a schedule against CONTRACT.md sections 3 and 4 and return its figures.
+
+    Raises ScheduleRuleError: any structure rule or 'deadlock' (from the replay), 'memory' when a
+    worker's peak exceeds its stage's capacity, 'claim' when `check_claim` and the schedule's
+    iteration_time_ms differs from the replayed one by more than 1e-6 * max(1, T) ms.
+    """
+    result = replay(job, scenario, schedule, num_iterations=num_iterations)
+    num_p = job.num_stages
+    capacity = [job.capacity_mib(s) for s in range(num_p)]
+    for (d, s), peak in sorted(result.peak_memory_mib.items()):
+        cap = capacity[s]
+        if cap is not None and peak > cap * (1 + MEMORY_TOLERANCE) + MEMORY_TOLERANCE:
+            raise ScheduleRuleError(
+                "memory",
+                f"worker [{d}, {s}] peaks at {peak:.3f} MiB, over the capacity of {cap:.3f} MiB at stage {s}",
+            )
+    t = result.iteration_time_ms
+    if check_claim:
+        claimed = schedule.iteration_time_ms
+        if abs(claimed - t) > CLAIM_TOLERANCE * max(1.0, abs(t)):
+            raise ScheduleRuleError(
+                "claim", f"schedule claims iteration_time_ms {claimed!r} but the replay gives {t!r}"
+            )
+    bound = load_bound(job, scenario)
+    gap = t / bound - 1 if bound > 0 else (0.0 if t <= 0 else math.inf)
+    busy = sum(result.busy_ms.values())
+    bubble = 1 - busy / (len(result.busy_ms) * t) if t > 0 else 0.0
+    by_stage = [0.0] * num_p
+    for (_, s), peak in result.peak_memory_mib.items():
+        by_stage[s] = max(by_stage[s], peak)
+    return ValidationReport(
+        iteration_time_ms=t,
+        lower_bound_ms=bound,
+        gap=gap,
+        bubble_ratio=bubble,
+        peak_memory_mib=dict(result.peak_memory_mib),
+        peak_memory_by_stage=by_stage,
+        capacity_by_stage=capacity,
+        num_iterations=result.num_iterations,
+    )
