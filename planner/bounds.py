@@ -11,6 +11,7 @@ workers that is ceil(D*M / alive_s) micro-batches on the busiest peer.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.contract import FailureScenario, JobSpec
@@ -25,24 +26,28 @@ class StageBound:
     counts: dict[int, int]  # alive pipeline d -> micro-batches hosted by worker [d, stage]
 
 
-def allocate_stage(job: JobSpec, scenario: FailureScenario, stage: int) -> StageBound:
+def allocate_stage(
+    job: JobSpec, scenario: FailureScenario, stage: int, prefer: Sequence[int] | None = None
+) -> StageBound:
     """Split the stage's D*M micro-batches over its alive peers so the slowest peer's period is least.
 
     Greedy min-max: each micro-batch goes to the peer whose period grows least, which is optimal
-    for identical jobs on uniformly related machines.
+    for identical jobs on uniformly related machines. Ties (which peers take the micro-batches that
+    do not divide evenly) go to pipelines early in `prefer` (default: ascending index).
     """
+    rank = {d: i for i, d in enumerate(prefer)} if prefer is not None else {}
     prof = job.stages[stage]
     work = prof.forward + prof.backward_input + prof.backward_weight
     failed = {tuple(w) for w in scenario.failed}
     alive = [d for d in range(job.num_pipelines) if (d, stage) not in failed]
     factors = {d: scenario.slow_factor((d, stage)) for d in alive}
     counts = {d: 0 for d in alive}
-    heap = [(work * factors[d], d) for d in alive]
+    heap = [(work * factors[d], rank.get(d, d), d) for d in alive]
     heapq.heapify(heap)
     for _ in range(job.num_pipelines * job.num_microbatches):
-        _, d = heapq.heappop(heap)
+        _, r, d = heapq.heappop(heap)
         counts[d] += 1
-        heapq.heappush(heap, ((counts[d] + 1) * work * factors[d], d))
+        heapq.heappush(heap, ((counts[d] + 1) * work * factors[d], r, d))
     ar = job.allreduce_ms(stage)
     bound = max(counts[d] * work * factors[d] + ar + prof.optimizer * factors[d] for d in alive)
     return StageBound(stage=stage, bound_ms=bound, counts=counts)

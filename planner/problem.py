@@ -6,6 +6,7 @@ it re-derives everything from the documents, so it can reject what the generator
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from planner.bounds import allocate_stage
@@ -38,12 +39,19 @@ class Problem:
         return self.job.num_microbatches
 
     @classmethod
-    def build(cls, job: JobSpec, scenario: FailureScenario, balanced: bool = True) -> Problem:
+    def build(
+        cls,
+        job: JobSpec,
+        scenario: FailureScenario,
+        balanced: bool = True,
+        prefer: Sequence[int] | None = None,
+    ) -> Problem:
         """Check the scenario against the job and derive alive sets, slow factors and hosts.
 
         `balanced` hosts re-routed micro-batches (and those a slow worker sheds) by the allocation
         that reaches the load bound; otherwise each failed worker's micro-batches are dealt
-        round-robin to its alive peers and nothing else moves (naive re-route).
+        round-robin to its alive peers and nothing else moves (naive re-route). `prefer` orders
+        the pipelines whose workers take the micro-batches that do not divide evenly.
         """
         scenario.check_against(job)
         failed = {tuple(w) for w in scenario.failed}
@@ -52,7 +60,7 @@ class Problem:
         prob = cls(job=job, scenario=scenario, alive=alive, factor=factor)
         for s in range(job.num_stages):
             if balanced:
-                prob._assign_balanced(s)
+                prob._assign_balanced(s, prefer)
             else:
                 prob._assign_round_robin(s)
         return prob
@@ -68,8 +76,9 @@ class Problem:
                     self.host[s, d, m] = alive[k % len(alive)]
                     k += 1
 
-    def _assign_balanced(self, s: int) -> None:
-        counts = allocate_stage(self.job, self.scenario, s).counts
+    def _assign_balanced(self, s: int, prefer: Sequence[int] | None) -> None:
+        counts = allocate_stage(self.job, self.scenario, s, prefer).counts
+        rank = {d: i for i, d in enumerate(prefer)} if prefer is not None else {}
         M = self.num_microbatches
         pool: list[tuple[int, int]] = []  # (m, d) micro-batches without a host yet
         need: dict[int, int] = {}
@@ -87,7 +96,7 @@ class Problem:
         for m, d in pool:
             # Deal in micro-batch order to the peer with the most left to take: spreads each
             # peer's extra work evenly over the iteration.
-            best = max(quota, key=lambda p: (quota[p] / need[p], -p))
+            best = max(quota, key=lambda p: (quota[p] / need[p], -rank.get(p, p)))
             self.host[s, d, m] = best
             quota[best] -= 1
 
