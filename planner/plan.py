@@ -42,6 +42,8 @@ PORTFOLIO: tuple[GreedyOptions, ...] = (
     GreedyOptions(w_patience=1.0),
     GreedyOptions(w_patience=1.0, inflight_extra=2),
     GreedyOptions(w_patience=0.3, inflight_extra=1),
+    GreedyOptions(w_patience=0.3, inflight_extra=2),
+    GreedyOptions(w_patience=0.6, inflight_extra=2),
 )
 
 Progress = Callable[[str], None]

@@ -78,7 +78,7 @@ class Problem:
 
     def _assign_balanced(self, s: int, prefer: Sequence[int] | None) -> None:
         counts = allocate_stage(self.job, self.scenario, s, prefer).counts
-        rank = {d: i for i, d in enumerate(prefer)} if prefer is not None else {}
+        rank: dict[int, int] = {d: i for i, d in enumerate(prefer)} if prefer is not None else {}
         M = self.num_microbatches
         pool: list[tuple[int, int]] = []  # (m, d) micro-batches without a host yet
         need: dict[int, int] = {}

@@ -1,0 +1,181 @@
+"""Planner benchmark: baselines against the adaptive planner over instances and failure sets.
+
+    recycle bench [JOB.json ...] --out bench-results      (or: python -m bench.planner ...)
+
+For every instance and failure case it prints and records: failure-free 1F1B, naive re-route,
+1F1B on the surviving pipelines, adaptive greedy, adaptive final (CP-SAT where it ran), the load
+bound and the memory-aware bound, gaps, solve time and peak memory. Writes results.json and
+results.md (a markdown table) into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from planner.baselines import baseline_schedule
+from planner.contract import FailureScenario, JobSpec
+from planner.errors import InvalidInputError, PlannerError, ScheduleRuleError
+from planner.outputs import format_cell, render_table
+from planner.plan import plan
+from planner.simulator import validate
+
+
+def failure_cases(job: JobSpec, max_failures: int) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Deterministic cases: none; one failure at the first, a middle and the last stage; two and
+    three failures spread over stages and concentrated on one stage (where the grid allows)."""
+    D, P = job.num_pipelines, job.num_stages
+    cases: list[tuple[str, list[tuple[int, int]]]] = [("none", [])]
+    if max_failures >= 1 and D >= 2:
+        for s in sorted({0, P // 2, P - 1}):
+            cases.append(("1", [(1, s)]))
+    if max_failures >= 2 and D >= 3:
+        a, b = P // 4, (5 * P) // 8
+        cases.append(("2 spread", [(1, a), (2, b)] if a != b else [(1, 0), (2, P - 1)]))
+        cases.append(("2 one stage", [(1, a), (2, a)]))
+    if max_failures >= 3 and D >= 4 and P >= 3:
+        cases.append(("3 spread", [(0, 1 % P), (1, P // 2), (2, P - 1)]))
+        cases.append(("3 adjacent", [(0, 1 % P), (1, 2 % P), (2, 3 % P)]))
+        cases.append(("3 one stage", [(0, P // 2), (1, P // 2), (2, P // 2)]))
+    seen, unique = set(), []
+    for label, failed in cases:
+        key = tuple(sorted(failed))
+        if key not in seen:
+            seen.add(key)
+            unique.append((label, failed))
+    return unique
+
+
+def _baseline_ms(name: str, job: JobSpec, scenario: FailureScenario) -> float | str | None:
+    """The baseline's iteration time; as a string ending in '*' when it breaks the memory capacity
+    (baselines do not plan around memory), None when it does not apply to the scenario."""
+    try:
+        schedule = baseline_schedule(name, job, scenario)
+    except (InvalidInputError, PlannerError):
+        return None
+    try:
+        validate(job, scenario, schedule)
+    except ScheduleRuleError as exc:
+        if exc.rule == "memory":
+            return f"{schedule.iteration_time_ms:.3f}*"
+        raise
+    return schedule.iteration_time_ms
+
+
+def bench_case(job: JobSpec, failed: list[tuple[int, int]], time_limit: timedelta) -> dict[str, object]:
+    """All figures of one (instance, failure set) case."""
+    scenario = FailureScenario(failed=failed)
+    t0 = time.perf_counter()
+    result = plan(job, scenario, time_limit=time_limit)
+    wall = time.perf_counter() - t0
+    rep = result.report
+    return {
+        "job": job.name,
+        "failed": [list(w) for w in failed],
+        "1f1b_failure_free_ms": result.baseline_1f1b_ms,
+        "naive_reroute_ms": _baseline_ms("naive-reroute", job, scenario),
+        "1f1b_survivors_ms": _baseline_ms("1f1b-survivors", job, scenario) if failed else None,
+        "greedy_ms": result.greedy_ms,
+        "adaptive_ms": result.iteration_time_ms,
+        "source": result.source,
+        "cpsat_status": (result.cpsat or {}).get("status"),
+        "cpsat_bound_ms": (result.cpsat or {}).get("cpsat_bound_ms"),
+        "lower_bound_ms": result.lower_bound_ms,
+        "memory_bound_ms": result.memory_bound_ms,
+        "ratio_to_load_bound": result.iteration_time_ms / result.lower_bound_ms,
+        "ratio_to_memory_bound": result.iteration_time_ms / result.memory_bound_ms,
+        "greedy_s": result.greedy_s,
+        "plan_s": wall,
+        "peak_memory_mib": max(rep.peak_memory_by_stage),
+        "capacity_mib": job.capacity_mib(0),
+    }
+
+
+def _fmt(v: object) -> object:
+    return "-" if v is None else v
+
+
+def to_markdown(rows: list[dict[str, object]]) -> str:
+    headers = [
+        "instance",
+        "failed",
+        "1F1B ff",
+        "naive",
+        "survivors",
+        "greedy",
+        "adaptive",
+        "load LB",
+        "/LB",
+        "mem LB",
+        "/memLB",
+        "by",
+        "plan s",
+        "peak MiB",
+    ]
+    body = [
+        [
+            r["job"],
+            " ".join(f"[{d},{s}]" for d, s in r["failed"]) or "none",  # type: ignore[attr-defined]
+            r["1f1b_failure_free_ms"],
+            _fmt(r["naive_reroute_ms"]),
+            _fmt(r["1f1b_survivors_ms"]),
+            r["greedy_ms"],
+            r["adaptive_ms"],
+            r["lower_bound_ms"],
+            f"{r['ratio_to_load_bound']:.4f}",
+            r["memory_bound_ms"],
+            f"{r['ratio_to_memory_bound']:.4f}",
+            r["source"] if r["source"] == "greedy" else f"cpsat ({r['cpsat_status']})",
+            f"{r['plan_s']:.2f}",
+            r["peak_memory_mib"],
+        ]
+        for r in rows
+    ]
+    return render_table(headers, body, markdown=True)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark; prints one line per case as it goes and the table at the end."""
+    paths = args.instances or sorted(str(p) for p in Path("examples").glob("*.json"))
+    if not paths:
+        raise InvalidInputError("no instances given and none found in examples/")
+    from planner.cli_io import read_document
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, object]] = []
+    for path in paths:
+        job = read_document(path, JobSpec, "job spec")
+        for label, failed in failure_cases(job, args.max_failures):
+            row = bench_case(job, failed, timedelta(seconds=args.time_limit))
+            row["case"] = label
+            rows.append(row)
+            print(
+                f"{job.name:24s} {label:12s} {row['failed']!s:28s} adaptive {row['adaptive_ms']:9.3f} ms"
+                f"  /LB {row['ratio_to_load_bound']:.4f}  /memLB {row['ratio_to_memory_bound']:.4f}"
+                f"  naive {format_cell(row['naive_reroute_ms'])}  {row['plan_s']:.2f}s",
+                flush=True,
+            )
+            (out / "results.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
+    md = to_markdown(rows)
+    note = "`*`: the baseline's schedule exceeds the memory capacity (baselines do not plan around it)."
+    (out / "results.md").write_text(f"Machine: {machine()}\n\n{md}\n\n{note}\n")
+    print(md)
+    return 0
+
+
+def machine() -> str:
+    import os
+
+    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+if __name__ == "__main__":
+    from planner.cli import main
+
+    sys.exit(main(["bench", *sys.argv[1:]]))
