@@ -96,7 +96,7 @@ class Problem:
         for m, d in pool:
             # Deal in micro-batch order to the peer with the most left to take: spreads each
             # peer's extra work evenly over the iteration.
-            best = max(quota, key=lambda p: (quota[p] / need[p], -rank.get(p, p)))
+            best = max(quota, key=lambda p: (quota[p] / need[p], -rank.get(p, int(p))))
             self.host[s, d, m] = best
             quota[best] -= 1
 
