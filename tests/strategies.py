@@ -8,7 +8,9 @@ from planner.contract import FailureScenario, JobSpec
 
 
 @st.composite
-def small_jobs(draw: st.DrawFn, max_d: int = 3, max_p: int = 4, max_m: int = 5, memory: bool = True) -> JobSpec:
+def small_jobs(
+    draw: st.DrawFn, max_d: int = 3, max_p: int = 4, max_m: int = 5, memory: bool = True
+) -> JobSpec:
     D = draw(st.integers(1, max_d))
     P = draw(st.integers(1, max_p))
     M = draw(st.integers(1, max_m))
@@ -45,7 +47,9 @@ def small_jobs(draw: st.DrawFn, max_d: int = 3, max_p: int = 4, max_m: int = 5, 
 
 
 @st.composite
-def recoverable_scenarios(draw: st.DrawFn, job: JobSpec, max_failures: int = 3, slow: bool = True) -> FailureScenario:
+def recoverable_scenarios(
+    draw: st.DrawFn, job: JobSpec, max_failures: int = 3, slow: bool = True
+) -> FailureScenario:
     """Failure sets that leave every stage at least one alive worker (optionally a slow worker)."""
     D, P = job.num_pipelines, job.num_stages
     workers = [(d, s) for d in range(D) for s in range(P)]

@@ -63,7 +63,11 @@ def test_validate_reports_broken_rule(tmp_path: Path) -> None:
         (["plan", str(JOB), "--fail", "9,0"], "outside the job's grid", 2),
         (["plan", str(JOB), "--fail", "1,1", "--fail", "1,1"], "listed twice", 2),
         (["plan", str(JOB), "--slow", "0,1:fast"], "is not a number", 2),
-        (["plan", str(JOB), "--fail", "0,3", "--fail", "1,3", "--fail", "2,3", "--fail", "3,3"], "stage 3", 3),
+        (
+            ["plan", str(JOB), "--fail", "0,3", "--fail", "1,3", "--fail", "2,3", "--fail", "3,3"],
+            "stage 3",
+            3,
+        ),
         (["validate", str(JOB), "nope.json"], "cannot read schedule nope.json", 2),
     ],
 )

@@ -202,15 +202,19 @@ class _Sim:
         if op == "F" and s + 1 < self.P:
             nh = p.host[s + 1, mb_d, m]
             ready = end + p.hop_ms(ws.d, nh)
-            heapq.heappush(self.workers[nh, s + 1].ready_f.setdefault(it, []), (ready, m, mb_d))
-            self._push(ready, _WAKE, (nh, s + 1))
+            nws = self.workers[nh, s + 1]
+            heapq.heappush(nws.ready_f.setdefault(it, []), (ready, m, mb_d))
+            if nws.free_at <= ready:  # a busy receiver is woken by its own completion
+                self._push(ready, _WAKE, (nh, s + 1))
         elif op == "F":
             heapq.heappush(ws.ready_b.setdefault(it, []), (end, m, mb_d))
         elif op == "B" and s > 0:
             ph = p.host[s - 1, mb_d, m]
             ready = end + p.hop_ms(ws.d, ph)
-            heapq.heappush(self.workers[ph, s - 1].ready_b.setdefault(it, []), (ready, m, mb_d))
-            self._push(ready, _WAKE, (ph, s - 1))
+            pws = self.workers[ph, s - 1]
+            heapq.heappush(pws.ready_b.setdefault(it, []), (ready, m, mb_d))
+            if pws.free_at <= ready:
+                self._push(ready, _WAKE, (ph, s - 1))
 
     # --- completing ---------------------------------------------------------------------------
     def _on_done(self, t: float, payload: tuple) -> None:
