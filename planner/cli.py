@@ -187,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit per case, seconds")
     b.add_argument("--max-failures", type=int, default=3, help="failure counts 0..N (default 3)")
     b.set_defaults(func=cmd_bench)
+
+    from whatif.cli import add_whatif_parsers
+
+    add_whatif_parsers(sub)
     return parser
 
 

@@ -1,0 +1,293 @@
+"""`recycle whatif`, `recycle simulate` and `recycle precompute`: parsers and commands.
+
+The lead wires them into planner/cli.py with `add_whatif_parsers(sub)`; each command returns an
+exit code and raises planner.errors.InvalidInputError for bad input (exit 2 there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from planner.contract import FailureScenario, JobSpec
+from planner.errors import InvalidInputError
+from whatif.cache import PlanCache
+from whatif.strategies import ALL_STRATEGIES, CheckpointRestart, Costs, Strategy, make_strategies
+from whatif.trace import parse_duration
+
+log = logging.getLogger(__name__)
+
+LLAMA3_GPU_MTBF_H = (
+    50_700.0  # GPU-hours between failures per GPU (Meta, Llama 3; /work/shared/FAILURE_RATES.md)
+)
+
+
+def _duration(default_unit: str = "h") -> Any:
+    def parse(text: str) -> float:
+        try:
+            return parse_duration(text, default_unit)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job", help="job spec JSON (CONTRACT.md section 1)")
+    p.add_argument(
+        "--plans", help="plan cache directory (from `recycle precompute`); misses are planned and added"
+    )
+    p.add_argument("--strategies", default=",".join(ALL_STRATEGIES), help="comma-separated strategies")
+    p.add_argument("--workers", type=int, default=2, help="planning processes for cache misses (default 2)")
+    p.add_argument(
+        "--time-limit", type=float, default=3.0, help="greedy budget per plan, seconds (default 3)"
+    )
+    c = p.add_argument_group("recovery costs (durations: number with unit s/m/h/d; bare numbers are seconds)")
+    c.add_argument("--checkpoint-cost", type=_duration("s"), default=Costs.checkpoint_s)
+    c.add_argument("--restart-cost", type=_duration("s"), default=Costs.restart_s)
+    c.add_argument("--reroute-cost", type=_duration("s"), default=Costs.reroute_s)
+    c.add_argument("--failover-cost", type=_duration("s"), default=Costs.failover_s)
+    c.add_argument("--reconfig-cost", type=_duration("s"), default=Costs.reconfig_s)
+    c.add_argument("--checkpoint-interval", type=_duration("s"), default=None, help="default: Young/Daly")
+    c.add_argument("--spares", action="store_true", help="restarts replace failed workers from spares")
+
+
+def _load(
+    args: argparse.Namespace,
+) -> tuple[JobSpec, Costs, PlanCache, dict[str, Strategy], CheckpointRestart]:
+    from planner.cli_io import read_document
+
+    job = read_document(args.job, JobSpec, "job spec")
+    costs = Costs(
+        checkpoint_s=args.checkpoint_cost,
+        restart_s=args.restart_cost,
+        reroute_s=args.reroute_cost,
+        failover_s=args.failover_cost,
+        reconfig_s=args.reconfig_cost,
+        checkpoint_interval_s=args.checkpoint_interval,
+        spares=args.spares,
+    )
+    if args.time_limit <= 0 or args.workers < 1:
+        raise InvalidInputError("--time-limit must be positive and --workers at least 1")
+    cache = PlanCache(args.plans)
+    names = tuple(n.strip() for n in args.strategies.split(",") if n.strip())
+    limit = timedelta(seconds=args.time_limit)
+    try:
+        strategies = make_strategies(job, costs, cache, names, limit)
+    except ValueError as exc:
+        raise InvalidInputError(f"--strategies: {exc}") from None
+    fallback = make_strategies(job, costs, cache, ("checkpoint-restart",), limit)["checkpoint-restart"]
+    assert isinstance(fallback, CheckpointRestart)
+    return job, costs, cache, strategies, fallback
+
+
+def _write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def add_whatif_parser(sub: Any) -> None:
+    """`recycle whatif JOB --max-failures K`."""
+    p = sub.add_parser("whatif", help="throughput retained per strategy for 0..k failures")
+    _add_common(p)
+    p.add_argument("--max-failures", type=int, default=3)
+    p.add_argument(
+        "--max-scenarios", type=int, default=64, help="per failure count; past it, sample placements"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed for sampled placements")
+    p.add_argument("--plot", help="write a PNG plot here")
+    p.add_argument("--json", help="write the table as JSON here")
+    p.set_defaults(func=cmd_whatif)
+
+
+def cmd_whatif(args: argparse.Namespace) -> int:
+    """Print the what-if table; optionally plot and write JSON."""
+    from planner.plan import baseline_1f1b_ms
+    from whatif.precompute import plan_missing
+    from whatif.table import choose_scenarios, evaluate, render
+
+    job, _, cache, strategies, fallback = _load(args)
+    if args.max_failures < 0 or args.max_scenarios < 1:
+        raise InvalidInputError("--max-failures must be >= 0 and --max-scenarios >= 1")
+    t0 = time.perf_counter()
+    chosen = choose_scenarios(job, args.max_failures, args.max_scenarios, args.seed)
+    if {"recycle", "recycle+barrier"} & set(strategies):
+        every = [c for scenarios, _ in chosen.values() for c in scenarios]
+        plan_missing(job, every, cache, args.workers, time_limit=timedelta(seconds=args.time_limit))
+    result = evaluate(job, strategies, fallback, baseline_1f1b_ms(job), chosen)
+    print(render(result, list(strategies)))
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    if args.plot:
+        from whatif.plots import plot_whatif
+
+        plot_whatif(result, list(strategies), args.plot)
+    _write_json(args.json, result.to_dict())
+    return 0
+
+
+def add_simulate_parser(sub: Any) -> None:
+    """`recycle simulate JOB (--trace CSV | --mtbf 6h --repair 2h) --duration 7d --seed 1`."""
+    p = sub.add_parser("simulate", help="event-driven run of every strategy over a failure trace")
+    _add_common(p)
+    p.add_argument("--trace", help="CSV of time,worker,event (see docs/whatif.md)")
+    p.add_argument("--mtbf", type=_duration("h"), help="mean time between failures of ONE worker (e.g. 6h)")
+    p.add_argument(
+        "--gpu-mtbf",
+        type=_duration("h"),
+        default=LLAMA3_GPU_MTBF_H * 3600,
+        help="per-GPU MTBF, divided by --gpus-per-worker when --mtbf is absent (default: Llama 3's 50,700 h)",
+    )
+    p.add_argument("--gpus-per-worker", type=int, help="default: the spec's model.tensor_parallel, else 1")
+    p.add_argument("--repair", type=_duration("h"), default=2 * 3600.0, help="repair time (default 2h)")
+    p.add_argument("--duration", type=_duration("h"), default=7 * 86400.0, help="run length (default 7d)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--plot", help="write a PNG of throughput over time here")
+    p.add_argument("--json", help="write the figures as JSON here")
+    p.add_argument("--write-trace", help="write the (generated) trace as CSV here")
+    p.set_defaults(func=cmd_simulate)
+
+
+def _gpus_per_worker(job: JobSpec, given: int | None) -> int:
+    if given is not None:
+        if given < 1:
+            raise InvalidInputError("--gpus-per-worker must be at least 1")
+        return given
+    model = getattr(job, "model", None)
+    tp = model.get("tensor_parallel") if isinstance(model, dict) else None
+    return int(tp) if isinstance(tp, int) and tp > 0 else 1
+
+
+def _failure_sets(events: list[Any]) -> list[FailureScenario]:
+    down: set[tuple[int, int]] = set()
+    out = []
+    for e in events:
+        (down.add if e.kind == "fail" else down.discard)(e.worker)
+        out.append(FailureScenario(failed=sorted(down)))
+    return out
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Run the trace through every strategy; print the figures; optionally plot and write JSON."""
+    from planner.normalize import normalize
+    from planner.plan import baseline_1f1b_ms
+    from whatif.events import render_runs, simulate
+    from whatif.precompute import plan_missing
+    from whatif.scenarios import Canonical
+    from whatif.strategies import young_daly_interval_s
+    from whatif.trace import generate_trace, read_trace, write_trace
+
+    t0 = time.perf_counter()
+    job, costs, cache, strategies, fallback = _load(args)
+    gpus = _gpus_per_worker(job, args.gpus_per_worker)
+    num_workers = job.num_pipelines * job.num_stages
+    worker_mtbf = args.mtbf or args.gpu_mtbf / gpus
+    if args.trace:
+        events = read_trace(args.trace, job)
+        failures = sum(e.kind == "fail" and e.time_s < args.duration for e in events)
+        job_mtbf = args.mtbf / num_workers if args.mtbf else args.duration / max(1, failures)
+    else:
+        events = generate_trace(job, worker_mtbf, args.repair, args.duration, args.seed)
+        job_mtbf = worker_mtbf / num_workers
+    if args.write_trace:
+        write_trace(events, args.write_trace)
+    if not costs.checkpoint_interval_s and costs.checkpoint_s <= 0:
+        raise InvalidInputError("--checkpoint-cost must be positive unless --checkpoint-interval is given")
+    interval = costs.checkpoint_interval_s or young_daly_interval_s(job_mtbf, costs.checkpoint_s)
+    if {"recycle", "recycle+barrier"} & set(strategies):
+        sets = [normalize(job, sc) for sc in _failure_sets(events)]
+        todo = [Canonical(n.scenario, n.key, 1) for n in sets]
+        plan_missing(job, todo, cache, args.workers, time_limit=timedelta(seconds=args.time_limit))
+    base_ms = baseline_1f1b_ms(job)
+    runs = simulate(job, strategies, fallback, events, args.duration, costs, interval, base_ms, gpus)
+    print(
+        f"{job.name}: {sum(e.kind == 'fail' for e in events)} failures over {args.duration / 3600:.1f} h, "
+        f"job MTBF {job_mtbf / 3600:.2f} h, checkpoint every {interval / 60:.1f} min "
+        f"({'given' if costs.checkpoint_interval_s else 'Young/Daly'}), spares: {costs.spares}"
+    )
+    print(render_runs(runs))
+    for other in ("oobleck", "bamboo", "checkpoint-restart", "shrink"):
+        if "recycle" in runs and other in runs and runs[other].samples > 0:
+            r = runs["recycle"]
+            print(
+                f"recycle / {other}: {r.samples / runs[other].samples:.3f}x samples "
+                f"({r.retained_vs_own / max(runs[other].retained_vs_own, 1e-12):.3f}x relative to each "
+                "one's own failure-free throughput)"
+            )
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    payload = {
+        "job": job.name,
+        "duration_s": args.duration,
+        "job_mtbf_s": job_mtbf,
+        "checkpoint_interval_s": interval,
+        "costs": costs.__dict__,
+        "num_failures": sum(e.kind == "fail" for e in events),
+        "strategies": {n: r.to_dict() for n, r in runs.items()},
+    }
+    _write_json(args.json, payload)
+    if args.plot:
+        from whatif.plots import plot_simulation
+
+        base_rate = job.num_pipelines * job.num_microbatches / (base_ms / 1000.0)
+        plot_simulation(runs, args.duration, base_rate, args.plot, f"{job.name}: throughput over time")
+    return 0
+
+
+def add_precompute_parser(sub: Any) -> None:
+    """`recycle precompute JOB --max-failures K -o DIR`."""
+    p = sub.add_parser("precompute", help="plan every normalized scenario up to k failures into a cache")
+    p.add_argument("job", help="job spec JSON")
+    p.add_argument("--max-failures", type=int, default=2)
+    p.add_argument("-o", "--output", required=True, help="plan cache directory")
+    p.add_argument("--workers", type=int, default=2, help="planning processes (default 2)")
+    p.add_argument("--time-limit", type=float, default=3.0, help="greedy (and CP-SAT) budget per plan, s")
+    p.add_argument("--cpsat", action="store_true", help="also refine with CP-SAT (slow; default greedy only)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.set_defaults(func=cmd_precompute)
+
+
+def cmd_precompute(args: argparse.Namespace) -> int:
+    """Plan what is missing; report normalization savings and what was (not) solved."""
+    from planner.cli_io import read_document
+    from whatif.precompute import precompute
+
+    job = read_document(args.job, JobSpec, "job spec")
+    if args.max_failures < 0 or args.workers < 1 or args.time_limit <= 0:
+        raise InvalidInputError("--max-failures >= 0, --workers >= 1 and --time-limit > 0 required")
+    stats = precompute(
+        job,
+        args.max_failures,
+        PlanCache(args.output),
+        num_workers=args.workers,
+        use_cpsat=args.cpsat,
+        time_limit=timedelta(seconds=args.time_limit),
+        progress=(not args.no_progress and sys.stderr.isatty()) or not args.no_progress,
+    )
+    saved = stats.saved_by_normalization / max(1, stats.physical_scenarios)
+    if args.json:
+        print(json.dumps(stats.to_dict(), indent=1))
+    else:
+        print(
+            f"{job.name}: {stats.physical_scenarios} failure sets up to {args.max_failures} failures -> "
+            f"{stats.canonical_scenarios} normalized scenarios (normalization saved "
+            f"{stats.saved_by_normalization}, {saved:.1%}); "
+            f"{stats.already_cached} already cached, {stats.planned} planned now "
+            f"({stats.unrecoverable} unrecoverable) in {stats.wall_s:.1f} s -> {args.output}"
+        )
+    return 0
+
+
+def add_whatif_parsers(sub: Any) -> None:
+    """Register whatif, simulate and precompute on the `recycle` subparsers."""
+    add_whatif_parser(sub)
+    add_simulate_parser(sub)
+    add_precompute_parser(sub)
+
+
+__all__ = ["add_whatif_parsers", "cmd_precompute", "cmd_simulate", "cmd_whatif"]

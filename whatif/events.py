@@ -1,0 +1,253 @@
+"""`recycle simulate`: an event-driven run of every strategy over one failure/rejoin trace.
+
+Between events a strategy trains at the steady rate of its model for the current failure set
+(D*M micro-batches per iteration). Every strategy checkpoints every `interval_s` seconds of training
+(Young/Daly from the MTBF unless given), each checkpoint stalling `Costs.checkpoint_s`; the same
+interval for all, so the comparison is about recovery, not checkpoint policy. At an event:
+
+- a strategy that absorbs it (its model is not fatal) stalls for the in-flight iteration plus its
+  switch cost (re-route, fail-over or reconfiguration);
+- checkpoint-restart, and any strategy whose model is fatal (e.g. recycle when a stage has no alive
+  worker), rolls back: the work since the last checkpoint is lost, the job stalls for the restart
+  cost and continues in checkpoint-restart's configuration (spares, or the fully alive pipelines;
+  nothing when none is). That is a fallback, counted and listed;
+- a rejoin that changes a restarted job's configuration costs a checkpoint plus a restart (no work
+  lost); returning from a fallback to the strategy's own mode likewise.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from planner.contract import FailureScenario, JobSpec
+from whatif.strategies import CheckpointRestart, Costs, Strategy
+from whatif.trace import FAIL, Event
+
+log = logging.getLogger(__name__)
+
+
+def samples_per_microbatch(job: JobSpec) -> int:
+    """Samples (sequences) in one micro-batch: the spec's model.micro_batch when given, else 1."""
+    model = getattr(job, "model", None)
+    mb = model.get("micro_batch") if isinstance(model, dict) else None
+    return int(mb) if isinstance(mb, int) and mb > 0 else 1
+
+
+@dataclass
+class RunFigures:
+    """What one strategy achieved over the trace (times in seconds, samples in sequences)."""
+
+    strategy: str
+    samples: float = 0.0
+    duration_s: float = 0.0
+    gpu_hours: float = 0.0
+    effective_throughput: float = 0.0  # samples per second of wall time
+    retained_vs_1f1b: float = 0.0  # effective throughput / failure-free 1F1B throughput
+    retained_vs_own: float = 0.0  # effective throughput / this strategy's own failure-free throughput
+    recovery_s: float = 0.0  # stalls for switches and restarts
+    lost_work_s: float = 0.0  # training rolled back to a checkpoint
+    checkpoint_s: float = 0.0
+    stalled_s: float = 0.0  # no configuration could run (a stage with no alive worker, no spares)
+    restarts: int = 0
+    checkpoint_fallbacks: int = 0  # failures that forced a roll-back to the last checkpoint
+    fallback_events: list[dict[str, Any]] = field(default_factory=list)
+    segments: list[tuple[float, float, float]] = field(default_factory=list)  # (t0, t1, samples/s)
+
+    def to_dict(self, with_segments: bool = False) -> dict[str, Any]:
+        out = asdict(self)
+        if not with_segments:
+            out.pop("segments")
+        return out
+
+
+class _Run:
+    """One strategy's state while the trace plays."""
+
+    def __init__(
+        self, strategy: Strategy, fallback: CheckpointRestart, job: JobSpec, costs: Costs, interval_s: float
+    ):
+        self.s, self.fallback, self.costs, self.interval_s = strategy, fallback, costs, interval_s
+        self.mb_per_iteration = job.num_pipelines * job.num_microbatches
+        self.fig = RunFigures(strategy.name)
+        self.failed: set[tuple[int, int]] = set()
+        self.t = self.resume_at = 0.0
+        self.pending = self.work_since_ckpt = 0.0  # micro-batches / seconds since the last checkpoint
+        self.done = 0.0
+        self.in_fallback = False
+        self.iteration_ms = self._config_ms()
+
+    def _scenario(self) -> FailureScenario:
+        return FailureScenario(failed=sorted(self.failed))
+
+    def _config_ms(self) -> float | None:
+        sc = self._scenario()
+        if self.s.restarts or self.in_fallback:
+            return self.fallback.outcome(sc).iteration_time_ms
+        return self.s.outcome(sc).iteration_time_ms
+
+    @property
+    def rate(self) -> float:
+        return self.mb_per_iteration / (self.iteration_ms / 1000.0) if self.iteration_ms else 0.0
+
+    def _stall(self, seconds: float) -> None:
+        start = max(self.t, self.resume_at)
+        self.resume_at = start + seconds
+        self.fig.segments.append((start, self.resume_at, 0.0))
+
+    def advance(self, t_to: float) -> None:
+        """Train (and checkpoint) from self.t to t_to at the current rate."""
+        while self.t < t_to - 1e-9:
+            if self.t < self.resume_at:
+                self.t = min(self.resume_at, t_to)
+                continue
+            rate = self.rate
+            if rate == 0.0:
+                self.fig.stalled_s += t_to - self.t
+                self.fig.segments.append((self.t, t_to, 0.0))
+                self.t = t_to
+                continue
+            step = min(t_to - self.t, self.interval_s - self.work_since_ckpt)
+            self.pending += rate * step
+            self.work_since_ckpt += step
+            self.fig.segments.append((self.t, self.t + step, rate))
+            self.t += step
+            if self.work_since_ckpt >= self.interval_s - 1e-9:
+                self._checkpoint()
+
+    def _checkpoint(self) -> None:
+        self.done += self.pending
+        self.pending = self.work_since_ckpt = 0.0
+        self.fig.checkpoint_s += self.costs.checkpoint_s
+        self._stall(self.costs.checkpoint_s)
+
+    def _roll_back(self, event: Event, forced: bool) -> None:
+        self.fig.lost_work_s += self.work_since_ckpt
+        self.pending = self.work_since_ckpt = 0.0
+        self.fig.restarts += 1
+        if forced:
+            self.fig.checkpoint_fallbacks += 1
+            self.fig.fallback_events.append(
+                {"time_s": event.time_s, "failed": [list(w) for w in sorted(self.failed)]}
+            )
+        self.fig.recovery_s += self.costs.restart_s
+        self._stall(self.costs.restart_s)
+        if self.costs.spares:
+            self.failed.clear()
+            self.in_fallback = False
+
+    def _planned_restart(self) -> None:
+        self.fig.restarts += 1
+        self._checkpoint()
+        self.fig.recovery_s += self.costs.restart_s
+        self._stall(self.costs.restart_s)
+
+    def _switch(self) -> None:
+        lost = (self.iteration_ms or 0.0) / 1000.0 + self.s.switch_s
+        self.fig.recovery_s += lost
+        self._stall(lost)
+
+    def on_event(self, event: Event) -> None:
+        """Apply one trace event at event.time_s (self.t has been advanced to it)."""
+        before = self.iteration_ms
+        if event.kind == FAIL:
+            self.failed.add(event.worker)
+            if self.s.restarts:
+                self._roll_back(event, forced=True)
+            elif self.in_fallback or self.s.outcome(self._scenario()).fatal:
+                self.in_fallback = True
+                self._roll_back(event, forced=True)
+            else:
+                self._switch()
+        else:
+            if event.worker not in self.failed:  # replaced by a spare at a restart
+                return
+            self.failed.discard(event.worker)
+            own_ok = not self.s.restarts and not self.s.outcome(self._scenario()).fatal
+            if self.in_fallback and own_ok:
+                self.in_fallback = False
+                self._planned_restart()
+            elif self.s.restarts or self.in_fallback:
+                if self._config_ms() != before:
+                    self._planned_restart()
+            else:
+                self._switch()
+        self.iteration_ms = self._config_ms()
+
+    def finish(self, duration_s: float, job: JobSpec, gpus_per_worker: int, base_rate: float) -> RunFigures:
+        self.advance(duration_s)
+        fig = self.fig
+        per_mb = samples_per_microbatch(job)
+        fig.samples = (self.done + self.pending) * per_mb
+        fig.duration_s = duration_s
+        fig.gpu_hours = job.num_pipelines * job.num_stages * gpus_per_worker * duration_s / 3600.0
+        fig.effective_throughput = fig.samples / duration_s
+        fig.retained_vs_1f1b = fig.effective_throughput / (base_rate * per_mb) if base_rate else 0.0
+        own_ms = self.s.outcome(FailureScenario()).iteration_time_ms
+        if own_ms:
+            own_rate = self.mb_per_iteration / (own_ms / 1000.0) * per_mb
+            fig.retained_vs_own = fig.effective_throughput / own_rate
+        return fig
+
+
+def simulate(
+    job: JobSpec,
+    strategies: dict[str, Strategy],
+    fallback: CheckpointRestart,
+    events: list[Event],
+    duration_s: float,
+    costs: Costs,
+    interval_s: float,
+    baseline_ms: float,
+    gpus_per_worker: int = 1,
+) -> dict[str, RunFigures]:
+    """Play `events` (sorted) for `duration_s` seconds through every strategy."""
+    base_rate = job.num_pipelines * job.num_microbatches / (baseline_ms / 1000.0)
+    out = {}
+    for name, strat in strategies.items():
+        run = _Run(strat, fallback, job, costs, interval_s)
+        for ev in events:
+            if ev.time_s >= duration_s:
+                break
+            run.advance(ev.time_s)
+            run.on_event(ev)
+        out[name] = run.finish(duration_s, job, gpus_per_worker, base_rate)
+        log.info("%s: %.3g samples, %d restarts", name, out[name].samples, out[name].restarts)
+    return out
+
+
+def render_runs(runs: dict[str, RunFigures]) -> str:
+    """Plain-text table of the figures, one row per strategy."""
+    head = [
+        "strategy",
+        "samples",
+        "samples/s",
+        "vs 1F1B",
+        "vs own",
+        "recovery h",
+        "lost h",
+        "ckpt h",
+        "stalled h",
+        "fallbacks",
+    ]
+    rows = [head]
+    for name, r in runs.items():
+        rows.append(
+            [
+                name,
+                f"{r.samples:.4g}",
+                f"{r.effective_throughput:.2f}",
+                f"{r.retained_vs_1f1b:.1%}",
+                f"{r.retained_vs_own:.1%}",
+                f"{r.recovery_s / 3600:.2f}",
+                f"{r.lost_work_s / 3600:.2f}",
+                f"{r.checkpoint_s / 3600:.2f}",
+                f"{r.stalled_s / 3600:.2f}",
+                str(r.checkpoint_fallbacks),
+            ]
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    gpu_h = next(iter(runs.values())).gpu_hours if runs else 0.0
+    return "\n".join([*lines, f"GPU-hours (allocated, every strategy): {gpu_h:.0f}"])

@@ -1,0 +1,146 @@
+"""`recycle precompute`: plan every normalized scenario up to k failures, in worker processes.
+
+Resumable: a scenario whose `<key>.json` already exists in the cache directory is skipped, and each
+plan is written atomically as soon as it is done, so an interrupted run loses at most the plans in
+flight. Reports how many physical failure sets normalization folded into how many plans.
+Planning is greedy only unless `use_cpsat` (bulk planning is where time matters).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any, TextIO
+
+from planner.contract import FailureScenario, JobSpec
+from whatif.cache import PlanCache
+from whatif.scenarios import Canonical, canonical_scenarios
+from whatif.strategies.recycle import DEFAULT_PLAN_TIME_LIMIT, plan_record
+
+log = logging.getLogger(__name__)
+
+
+class ProgressBar:
+    """A one-line progress bar on a stream (stderr), redrawn in place; silent when disabled."""
+
+    def __init__(self, total: int, label: str, stream: TextIO | None = None, enabled: bool = True) -> None:
+        self.total, self.label, self.done = total, label, 0
+        self.stream = stream or sys.stderr
+        self.enabled = enabled and total > 0
+        self.t0 = time.perf_counter()
+
+    def advance(self, n: int = 1, note: str = "") -> None:
+        """Count `n` more items done and redraw."""
+        self.done += n
+        if not self.enabled:
+            return
+        width = 30
+        filled = int(width * self.done / self.total)
+        elapsed = time.perf_counter() - self.t0
+        bar = "#" * filled + "." * (width - filled)
+        self.stream.write(f"\r{self.label} [{bar}] {self.done}/{self.total} {elapsed:6.1f}s {note[:40]:<40}")
+        if self.done >= self.total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+@dataclass
+class PrecomputeStats:
+    """What a precompute run did."""
+
+    physical_scenarios: int  # failure sets up to k failures, counted on the physical workers
+    canonical_scenarios: int  # after normalization: plans needed
+    already_cached: int
+    planned: int
+    unrecoverable: int
+    wall_s: float
+
+    @property
+    def saved_by_normalization(self) -> int:
+        return self.physical_scenarios - self.canonical_scenarios
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "saved_by_normalization": self.saved_by_normalization}
+
+
+def _plan_task(job_json: str, scenario_json: str, use_cpsat: bool, time_limit_s: float) -> dict[str, Any]:
+    logging.getLogger("planner").setLevel(logging.WARNING)
+    job = JobSpec.model_validate_json(job_json)
+    scenario = FailureScenario.model_validate_json(scenario_json)
+    return plan_record(job, scenario, use_cpsat=use_cpsat, time_limit=timedelta(seconds=time_limit_s))
+
+
+def plan_missing(
+    job: JobSpec,
+    scenarios: Iterable[Canonical],
+    cache: PlanCache,
+    num_workers: int = 2,
+    use_cpsat: bool = False,
+    time_limit: timedelta = DEFAULT_PLAN_TIME_LIMIT,
+    progress: bool = True,
+) -> tuple[int, int, int]:
+    """Plan every scenario whose key is not cached; returns (already cached, planned, unrecoverable)."""
+    todo: dict[str, Canonical] = {}
+    already = 0
+    for c in scenarios:
+        if c.key in todo:
+            continue
+        if cache.has(c.key):
+            already += 1
+        else:
+            todo[c.key] = c
+    bar = ProgressBar(len(todo), "planning", enabled=progress)
+    planned = unrecoverable = 0
+    if not todo:
+        return already, 0, 0
+    job_json = job.model_dump_json()
+    limit_s = time_limit.total_seconds()
+    with ProcessPoolExecutor(max_workers=max(1, num_workers)) as pool:
+        pending: set[Future[dict[str, Any]]] = {
+            pool.submit(_plan_task, job_json, c.scenario.model_dump_json(), use_cpsat, limit_s)
+            for c in todo.values()
+        }
+        while pending:
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                rec = fut.result()
+                cache.put(rec["key"], rec)
+                planned += 1
+                unrecoverable += bool(rec["unrecoverable"])
+                note = "unrecoverable" if rec["unrecoverable"] else f"{rec['iteration_time_ms']:.1f} ms"
+                bar.advance(note=note)
+    return already, planned, unrecoverable
+
+
+def precompute(
+    job: JobSpec,
+    max_failures: int,
+    cache: PlanCache,
+    num_workers: int | None = None,
+    use_cpsat: bool = False,
+    time_limit: timedelta = DEFAULT_PLAN_TIME_LIMIT,
+    progress: bool = True,
+) -> PrecomputeStats:
+    """Plan all normalized scenarios with 0..max_failures failures into `cache`."""
+    if max_failures < 0:
+        raise ValueError("max_failures must be >= 0")
+    t0 = time.perf_counter()
+    num_workers = num_workers or min(2, os.cpu_count() or 1)
+    scenarios = [c for k in range(max_failures + 1) for c in canonical_scenarios(job, k)]
+    num_workers_total = job.num_pipelines * job.num_stages
+    physical = sum(math.comb(num_workers_total, k) for k in range(max_failures + 1))
+    already, planned, unrecoverable = plan_missing(
+        job, scenarios, cache, num_workers, use_cpsat, time_limit, progress
+    )
+    stats = PrecomputeStats(
+        physical, len(scenarios), already, planned, unrecoverable, time.perf_counter() - t0
+    )
+    log.info("precompute: %s", stats)
+    return stats
