@@ -28,9 +28,11 @@ from planner.simulator import ValidationReport, validate
 log = logging.getLogger(__name__)
 
 DEFAULT_TIME_LIMIT = timedelta(seconds=float(os.environ.get("RECYCLE_SOLVER_TIME_LIMIT_S", "10")))
+# How long the greedy portfolio may keep trying policies once the default policy has run on every
+# host map (it stops earlier as soon as a candidate meets the memory-aware bound).
+GREEDY_BUDGET = timedelta(seconds=float(os.environ.get("RECYCLE_GREEDY_BUDGET_S", "10")))
 CPSAT_MAX_OPS = int(os.environ.get("RECYCLE_CPSAT_MAX_OPS", "8000"))  # larger: greedy (decomposed) only
 GAIN_THRESHOLD = 1e-3  # a schedule within 0.1% of the best bound is not worth a solve
-MIN_CPSAT_S = 2.0  # CP-SAT always gets at least this long when it runs
 GOOD_ENOUGH = 5e-4  # the greedy portfolio stops within 0.05% of the best bound
 SMALL_OPS = 12_000  # up to this many ops per iteration the greedy simulates more iterations
 
@@ -243,7 +245,7 @@ def plan(
     mb = memory_bound(job, norm.scenario)
     t0 = time.perf_counter()
     best = plan_greedy(
-        job, norm.scenario, target_ms=mb, budget_s=time_limit.total_seconds() / 2, progress=progress
+        job, norm.scenario, target_ms=mb, budget_s=GREEDY_BUDGET.total_seconds(), progress=progress
     )
     if best.schedule.iteration_time_ms > mb * (1 + 1e-9):
         for cand in baseline_candidates(job, norm.scenario, best.problem):
@@ -258,11 +260,7 @@ def plan(
         if num_ops <= CPSAT_MAX_OPS:
             from planner.adaptive.refine import refine_with_cpsat
 
-            # The time limit bounds the whole plan: CP-SAT gets what the greedy portfolio left.
-            left = max(MIN_CPSAT_S, time_limit.total_seconds() - (time.perf_counter() - t0))
-            improved, cpsat_info = refine_with_cpsat(
-                best.problem, best.orders, timedelta(seconds=left), lb, mb, progress
-            )
+            improved, cpsat_info = refine_with_cpsat(best.problem, best.orders, time_limit, lb, mb, progress)
             if improved is not None and improved.iteration_time_ms < greedy_ms - 1e-9:
                 best, source = Candidate(best.problem, {}, improved, "cpsat"), "cpsat"
         else:
