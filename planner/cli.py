@@ -167,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--time-limit",
         type=float,
         default=10.0,
-        help="CP-SAT time limit in seconds (default 10); the greedy portfolio before it has its own "
-        "budget, RECYCLE_GREEDY_BUDGET_S (default 10)",
+        help="CP-SAT time limit in seconds (default 10); the greedy portfolio before it gets the same, "
+        "or RECYCLE_GREEDY_BUDGET_S if smaller",
     )
     p.add_argument("--no-cpsat", action="store_true", help="greedy only, no CP-SAT refinement")
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
@@ -194,7 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-failures", type=int, default=3, help="failure counts 0..N (default 3)")
     b.set_defaults(func=cmd_bench)
 
+    from api.cli import add_serve_parser
     from whatif.cli import add_whatif_parsers
+
+    add_serve_parser(sub)
 
     add_whatif_parsers(sub)
     return parser

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIME_LIMIT = timedelta(seconds=float(os.environ.get("RECYCLE_SOLVER_TIME_LIMIT_S", "10")))
 # How long the greedy portfolio may keep trying policies once the default policy has run on every
-# host map (it stops earlier as soon as a candidate meets the memory-aware bound).
+# host map (it stops earlier as soon as a candidate meets the memory-aware bound); never longer than
+# the plan's time limit.
 GREEDY_BUDGET = timedelta(seconds=float(os.environ.get("RECYCLE_GREEDY_BUDGET_S", "10")))
 CPSAT_MAX_OPS = int(os.environ.get("RECYCLE_CPSAT_MAX_OPS", "8000"))  # larger: greedy (decomposed) only
 GAIN_THRESHOLD = 1e-3  # a schedule within 0.1% of the best bound is not worth a solve
@@ -74,7 +75,7 @@ class PlanResult:
     @property
     def throughput_retained(self) -> float:
         """Failure-free 1F1B iteration time over this schedule's: 1.0 means no loss at all."""
-        return self.baseline_1f1b_ms / self.iteration_time_ms if self.iteration_time_ms else 0.0
+        return self.baseline_1f1b_ms / self.iteration_time_ms if self.iteration_time_ms else 1.0
 
     def figures(self) -> dict[str, object]:
         """JSON-able summary (the CLI's --json and the benchmark read this)."""
@@ -86,8 +87,8 @@ class PlanResult:
             "throughput_retained": self.throughput_retained,
             "lower_bound_ms": self.lower_bound_ms,
             "memory_bound_ms": self.memory_bound_ms,
-            "gap_to_lower_bound": self.iteration_time_ms / self.lower_bound_ms - 1,
-            "gap_to_memory_bound": self.iteration_time_ms / self.memory_bound_ms - 1,
+            "gap_to_lower_bound": _gap(self.iteration_time_ms, self.lower_bound_ms),
+            "gap_to_memory_bound": _gap(self.iteration_time_ms, self.memory_bound_ms),
             "greedy_ms": self.greedy_ms,
             "greedy_s": self.greedy_s,
             "source": self.source,
@@ -95,6 +96,13 @@ class PlanResult:
             "key": self.key,
             "validation": self.report.to_dict(),
         }
+
+
+def _gap(value: float, bound: float) -> float:
+    """Relative gap to a bound; 0 when both are 0 (a job whose every duration is 0)."""
+    if bound <= 0:
+        return 0.0 if value <= 0 else float("inf")
+    return value / bound - 1
 
 
 @lru_cache(maxsize=64)
@@ -245,7 +253,11 @@ def plan(
     mb = memory_bound(job, norm.scenario)
     t0 = time.perf_counter()
     best = plan_greedy(
-        job, norm.scenario, target_ms=mb, budget_s=GREEDY_BUDGET.total_seconds(), progress=progress
+        job,
+        norm.scenario,
+        target_ms=mb,
+        budget_s=min(GREEDY_BUDGET, time_limit).total_seconds(),
+        progress=progress,
     )
     if best.schedule.iteration_time_ms > mb * (1 + 1e-9):
         for cand in baseline_candidates(job, norm.scenario, best.problem):

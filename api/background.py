@@ -1,0 +1,91 @@
+"""Long-running service tasks: precomputing plans per job, and failing workers that went silent."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from api.jobs import JobRuntime, JobService
+from api.models import EventIn
+from api.solver import enumerate_scenarios
+from api.store import PlanRecord
+
+log = logging.getLogger(__name__)
+
+MAX_PRECOMPUTED_KEYS = 2000  # per job; beyond this, scenarios are planned on demand
+
+
+async def precompute(service: JobService, rt: JobRuntime) -> None:
+    """Plan (greedy + CP-SAT) every normalized scenario up to the job's max_failures, fewest first.
+
+    Keys already in the store are skipped, so after a restart it resumes where it stopped.
+    Progress is persisted in the job record (precompute_total, precompute_done).
+    """
+    rec = rt.record
+    scenarios = await asyncio.to_thread(enumerate_scenarios, rt.job, rec.max_failures, MAX_PRECOMPUTED_KEYS)
+    keys = [(await asyncio.to_thread(_key, rt, sc), sc) for sc in scenarios]
+    stored = service.store.plan_keys([k for k, _ in keys])
+    todo = [(k, sc) for k, sc in keys if k not in stored]
+    rec.precompute_total, rec.precompute_done = len(keys), len(keys) - len(todo)
+    progress = {"precompute_total": rec.precompute_total, "precompute_done": rec.precompute_done}
+    service.store.apply(rec.id, progress)
+    limit = service.settings.cap_time_limit(None, service.settings.precompute_time_limit_s).total_seconds()
+    for key, sc in todo:
+        t0 = time.perf_counter()
+        try:
+            out = await service.solver.submit_background(1, rec.spec_json, sc.model_dump_json(), limit, True)
+        except Exception:
+            log.exception("job %s: precompute of %s failed", rec.id, key)
+            continue
+        service.metrics.solve_seconds.observe(time.perf_counter() - t0, purpose="precompute")
+        service.metrics.solves.inc(purpose="precompute", source=out.source or "error")
+        if out.error is None:
+            service.store.put_plan(PlanRecord(out.key, out.canonical_json, "refined", out.iteration_time_ms))
+        rec.precompute_done += 1
+        service.store.apply(rec.id, {"precompute_done": rec.precompute_done})
+
+
+def _key(rt: JobRuntime, scenario: object) -> str:
+    from planner.normalize import normalize
+
+    return normalize(rt.job, scenario).key  # type: ignore[arg-type]
+
+
+def silent_workers(rt: JobRuntime, now: float, default_timeout_s: float) -> list[tuple[int, int]]:
+    """Alive workers that polled at least once, are not polling now, and are silent past the timeout."""
+    if not rt.record.heartbeat_enabled or rt.record.state != "running":
+        return []
+    timeout = rt.record.heartbeat_timeout_s or default_timeout_s
+    failed = {(int(d), int(s)) for d, s in rt.scenario.failed}
+    return sorted(
+        w
+        for w, seen in rt.last_seen.items()
+        if w not in failed and rt.polling.get(w, 0) == 0 and now - seen > timeout
+    )
+
+
+async def heartbeat_loop(service: JobService) -> None:
+    """Every heartbeat_check_s, declare silent workers failed through the ordinary event path."""
+    while True:
+        await asyncio.sleep(service.settings.heartbeat_check_s)
+        now = time.monotonic()
+        for rt in list(service.jobs.values()):
+            silent = silent_workers(rt, now, service.settings.heartbeat_timeout_s)
+            if not silent:
+                continue
+            for w in silent:
+                rt.last_seen.pop(w, None)
+            event = EventIn(
+                event_id=f"heartbeat-{uuid.uuid4().hex[:12]}",
+                kind="fail",
+                workers=silent,
+                reason="heartbeat timeout",
+            )
+            service.metrics.heartbeat_failures.inc(len(silent))
+            log.warning("job %s: workers %s silent, declaring them failed", rt.record.id, silent)
+            try:
+                await service.apply_event(rt.record.id, event)
+            except Exception:
+                log.exception("job %s: heartbeat failure event failed", rt.record.id)

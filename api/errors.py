@@ -1,0 +1,64 @@
+"""The one place where planner and service errors become HTTP statuses.
+
+Domain code (planner/, api/jobs.py) raises its own exception types; install_error_handlers()
+registers the mapping: invalid input 422, unknown job 404, unrecoverable failure set 409 (naming
+the stage and saying to restore from a checkpoint), conflicting event_id 409, planner bug 500,
+solver overload 503.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from planner.errors import InvalidInputError, ScheduleRuleError, UnrecoverableScenarioError
+
+
+class ServiceError(Exception):
+    """Base of the service's own domain errors."""
+
+
+class JobNotFoundError(ServiceError):
+    """No job with that id."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        super().__init__(f"no job {job_id!r}")
+
+
+class EventConflictError(ServiceError):
+    """An event_id was reused with a different body."""
+
+
+class SolverBusyError(ServiceError):
+    """A solve did not finish within its time limit plus grace."""
+
+
+def _unrecoverable(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, UnrecoverableScenarioError)
+    return JSONResponse(
+        status_code=409,
+        content={
+            "detail": str(exc),
+            "error": "unrecoverable",
+            "stages": exc.stages,
+            "action": "restore from checkpoint",
+        },
+    )
+
+
+def _simple(status: int, error: str):  # type: ignore[no-untyped-def]
+    def handler(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(status_code=status, content={"detail": str(exc), "error": error})
+
+    return handler
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register every domain-error -> HTTP status mapping on `app`."""
+    app.add_exception_handler(UnrecoverableScenarioError, _unrecoverable)
+    app.add_exception_handler(InvalidInputError, _simple(422, "invalid"))
+    app.add_exception_handler(JobNotFoundError, _simple(404, "not_found"))
+    app.add_exception_handler(EventConflictError, _simple(409, "event_conflict"))
+    app.add_exception_handler(SolverBusyError, _simple(503, "solver_busy"))
+    app.add_exception_handler(ScheduleRuleError, _simple(500, "planner_bug"))

@@ -1,0 +1,294 @@
+"""The job service: registered jobs, their failure sets, and the versioned schedules workers poll.
+
+Every change to a job (creation, an event, a heartbeat failure, a better CP-SAT plan) runs under
+that job's asyncio lock and is written to the store in one transaction before it is published, so
+concurrent events serialize into consecutive versions and a restart never shows an older version.
+Schedules come from the precomputed plan of the scenario's key when there is one, otherwise from a
+greedy solve in the `events` pool, followed by a CP-SAT refinement in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from api.errors import EventConflictError, JobNotFoundError
+from api.metrics import Metrics
+from api.models import EventIn, JobCreate
+from api.rules import apply_change, check_dimensions
+from api.settings import Settings
+from api.solver import Solver, from_canonical, raise_error
+from api.store import EventRecord, JobRecord, PlanRecord, Store, VersionRecord
+from api.views import VersionView
+from planner.contract import FailureScenario, JobSpec
+from planner.errors import InvalidInputError, UnrecoverableScenarioError
+from planner.normalize import normalize
+
+log = logging.getLogger(__name__)
+
+Worker = tuple[int, int]
+
+
+def hash_token(token: str) -> str:
+    """What the store keeps of a worker token."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass
+class JobRuntime:
+    """In-memory state of one job; the store is the source of truth, this is its published view."""
+
+    record: JobRecord
+    job: JobSpec
+    scenario: FailureScenario
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    view: VersionView | None = None
+    scenario_seq: int = 0
+    last_seen: dict[Worker, float] = field(default_factory=dict)
+    polling: dict[Worker, int] = field(default_factory=dict)
+
+    @property
+    def version(self) -> int:
+        return self.record.version
+
+
+class JobService:
+    """Jobs, events and schedule versions; the routes are thin wrappers around these methods."""
+
+    def __init__(self, settings: Settings, store: Store, solver: Solver, metrics: Metrics) -> None:
+        self.settings, self.store, self.solver, self.metrics = settings, store, solver, metrics
+        self.jobs: dict[str, JobRuntime] = {}
+        self._tasks: set[asyncio.Task[None]] = set()  # refinements (kept referenced until done)
+
+    def load(self) -> list[JobRuntime]:
+        """Read every job and its latest version from the store (at start-up)."""
+        for rec in self.store.list_jobs():
+            rt = JobRuntime(
+                record=rec,
+                job=JobSpec.model_validate_json(rec.spec_json),
+                scenario=FailureScenario.model_validate_json(rec.scenario_json),
+            )
+            latest = self.store.latest_version(rec.id)
+            if latest is not None:
+                rt.view = self._view(rt, latest)
+            self.jobs[rec.id] = rt
+        self.metrics.jobs.set(len(self.jobs))
+        return list(self.jobs.values())
+
+    async def stop(self) -> None:
+        """Cancel pending refinements (at shutdown)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def get(self, job_id: str) -> JobRuntime:
+        """The job's runtime, or JobNotFoundError."""
+        rt = self.jobs.get(job_id)
+        if rt is None:
+            raise JobNotFoundError(job_id)
+        return rt
+
+    def job_id_for_token(self, token: str) -> str | None:
+        """The job whose worker token this is, if any."""
+        return self.store.job_id_for_token_hash(hash_token(token))
+
+    async def create(self, req: JobCreate) -> tuple[JobRuntime, str]:
+        """Register a job, publish version 1 (failure-free plan); returns the runtime and worker token."""
+        check_dimensions(req.job, self.settings)
+        if req.max_failures > self.settings.max_failures_cap:
+            raise InvalidInputError(
+                f"max_failures: {req.max_failures} is above the limit {self.settings.max_failures_cap}"
+            )
+        token = secrets.token_urlsafe(32)
+        rec = JobRecord(
+            id=secrets.token_hex(8),
+            name=req.job.name,
+            spec_json=req.job.model_dump_json(),
+            worker_token_hash=hash_token(token),
+            created_at=time.time(),
+            max_failures=req.max_failures,
+            heartbeat_enabled=req.heartbeat_enabled,
+            heartbeat_timeout_s=req.heartbeat_timeout_s,
+        )
+        self.store.create_job(rec)
+        rt = JobRuntime(record=rec, job=req.job, scenario=FailureScenario())
+        self.jobs[rec.id] = rt
+        self.metrics.jobs.set(len(self.jobs))
+        async with rt.lock:
+            await self._install(rt, rt.scenario, event=None)
+        return rt, token
+
+    async def ensure_version(self, rt: JobRuntime) -> None:
+        """Publish a plan for a job that has none (it crashed between creation and its first version)."""
+        async with rt.lock:
+            if rt.view is None and rt.record.state == "running":
+                await self._install(rt, rt.scenario, event=None)
+
+    def set_switches(self, rt: JobRuntime, enabled: bool | None, timeout_s: float | None) -> None:
+        """Change the job's heartbeat switches (persisted)."""
+        update: dict[str, object] = {}
+        if enabled is not None:
+            update["heartbeat_enabled"] = enabled
+        if timeout_s is not None:
+            update["heartbeat_timeout_s"] = timeout_s
+        self.store.apply(rt.record.id, update)
+        for k, v in update.items():
+            setattr(rt.record, k, v)
+
+    async def apply_event(self, job_id: str, event: EventIn) -> tuple[dict[str, object], list[int]]:
+        """Apply `event` once; a replay returns the first answer. Returns (result, unrecoverable stages)."""
+        rt = self.get(job_id)
+        body = event.model_dump_json()
+        async with rt.lock:
+            old = self.store.get_event(job_id, event.event_id)
+            if old is not None:
+                if old.body_json != body:
+                    raise EventConflictError(f"event_id {event.event_id!r} was used before with another body")
+                result = json.loads(old.result_json)
+                result["replayed"] = True
+                return result, list(result.get("unrecoverable_stages", []))
+            scenario = apply_change(rt.scenario, event, rt.job)
+            rec = EventRecord(job_id, event.event_id, time.time_ns(), body, 200, "", time.time())
+            if scenario == rt.scenario:
+                result = self._result(rt, event.event_id, rt.version, changed=False)
+                rec.status_code = 409 if rt.record.unrecoverable_stages else 200
+                rec.result_json = json.dumps(result)
+                self.store.apply(job_id, {}, event=rec)
+                return result, list(rt.record.unrecoverable_stages)
+            try:
+                scenario.check_against(rt.job)
+            except UnrecoverableScenarioError as exc:
+                assert rt.view is not None
+                rec.status_code = 409
+                prev = json.dumps(rt.view.schedule)
+                itime = rt.view.schedule["iteration_time_ms"]
+                self._commit_version(rt, scenario, exc.stages, prev, "needs_restore", itime, rec)
+                return json.loads(rec.result_json), exc.stages
+            await self._install(rt, scenario, event=rec)
+            return json.loads(rec.result_json), []
+
+    def _result(self, rt: JobRuntime, event_id: str, version: int, changed: bool) -> dict[str, object]:
+        result: dict[str, object] = {
+            "event_id": event_id,
+            "job_id": rt.record.id,
+            "version": version,
+            "state": rt.record.state,
+            "source": None if rt.view is None else rt.view.source,
+            "failed": [list(w) for w in rt.scenario.failed],
+            "changed": changed,
+            "replayed": False,
+        }
+        if rt.record.unrecoverable_stages:
+            result["unrecoverable_stages"] = rt.record.unrecoverable_stages
+        return result
+
+    async def _install(self, rt: JobRuntime, scenario: FailureScenario, event: EventRecord | None) -> None:
+        """Pick a schedule for `scenario` and publish it as the next version (lock held by caller)."""
+        key = normalize(rt.job, scenario).key
+        plan = self.store.get_plan(key)
+        if plan is not None:
+            self.metrics.cache.inc(result="hit")
+            schedule_json = from_canonical(plan.schedule_json, rt.job, scenario).model_dump_json(
+                exclude_none=True
+            )
+            source, itime = "precomputed", plan.iteration_time_ms
+            refine = plan.source == "greedy"
+        else:
+            self.metrics.cache.inc(result="miss")
+            t0 = time.perf_counter()
+            out = await self.solver.run(
+                self.solver.events, rt.record.spec_json, scenario.model_dump_json(), 1.0, False
+            )
+            self.metrics.solve_seconds.observe(time.perf_counter() - t0, purpose="event")
+            self.metrics.solves.inc(purpose="event", source=out.source or "error")
+            raise_error(out)
+            self.store.put_plan(PlanRecord(out.key, out.canonical_json, "greedy", out.iteration_time_ms))
+            schedule_json, source, itime, refine = out.physical_json, "greedy", out.iteration_time_ms, True
+        self._commit_version(rt, scenario, [], schedule_json, source, itime, event)
+        if refine:
+            task = asyncio.get_running_loop().create_task(self._refine(rt, scenario, rt.scenario_seq))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _commit_version(
+        self,
+        rt: JobRuntime,
+        scenario: FailureScenario,
+        lost_stages: list[int],
+        schedule_json: str,
+        source: str,
+        itime: float,
+        event: EventRecord | None,
+    ) -> None:
+        """Write the next version, the job's new scenario/state and the event that caused it in one
+        transaction; only then update the in-memory job and wake its long-polls."""
+        rec = rt.record
+        state = "needs_restore" if lost_stages else "running"
+        scenario_json = scenario.model_dump_json()
+        cause = None if event is None else event.event_id
+        ver = VersionRecord(
+            rec.id, rec.version + 1, scenario_json, schedule_json, source, itime, cause, time.time()
+        )
+        if event is not None:
+            result: dict[str, object] = {
+                "event_id": event.event_id,
+                "job_id": rec.id,
+                "version": ver.version,
+                "state": state,
+                "source": source,
+                "failed": [list(w) for w in scenario.failed],
+                "changed": True,
+                "replayed": False,
+            }
+            if lost_stages:
+                result["unrecoverable_stages"] = lost_stages
+            event.result_json = json.dumps(result)
+        update = {"state": state, "unrecoverable_stages": lost_stages, "scenario_json": scenario_json}
+        self.store.apply(rec.id, update, version=ver, event=event)
+        if scenario != rt.scenario:
+            rt.scenario_seq += 1
+        rt.scenario, rec.scenario_json, rec.state, rec.unrecoverable_stages = (
+            scenario,
+            scenario_json,
+            state,
+            lost_stages,
+        )
+        rec.version = ver.version
+        rt.view = VersionView(rec.id, ver.version, state, source, json.loads(schedule_json))
+        self.metrics.versions.inc()
+        rt.changed.set()
+        rt.changed = asyncio.Event()
+
+    def _view(self, rt: JobRuntime, ver: VersionRecord) -> VersionView:
+        schedule = json.loads(ver.schedule_json)
+        return VersionView(rt.record.id, ver.version, rt.record.state, ver.source, schedule)
+
+    async def _refine(self, rt: JobRuntime, scenario: FailureScenario, seq: int) -> None:
+        """CP-SAT for the current scenario in the background; publish it if it is still current and better."""
+        limit = self.settings.cap_time_limit(None, self.settings.refine_time_limit_s).total_seconds()
+        try:
+            t0 = time.perf_counter()
+            args = (rt.record.spec_json, scenario.model_dump_json(), limit, True)
+            out = await self.solver.submit_background(0, *args)
+            self.metrics.solve_seconds.observe(time.perf_counter() - t0, purpose="refine")
+            self.metrics.solves.inc(purpose="refine", source=out.source or "error")
+        except Exception:
+            log.exception("job %s: refinement failed", rt.record.id)
+            return
+        if out.error is not None:
+            return
+        self.store.put_plan(PlanRecord(out.key, out.canonical_json, "refined", out.iteration_time_ms))
+        async with rt.lock:
+            current = rt.view
+            if rt.scenario_seq != seq or current is None:
+                return
+            if out.iteration_time_ms < current.schedule["iteration_time_ms"] - 1e-9:
+                self._commit_version(
+                    rt, scenario, [], out.physical_json, out.source, out.iteration_time_ms, None
+                )

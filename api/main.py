@@ -1,0 +1,78 @@
+"""The app factory: create_app(settings) wires store, solver pools, job service, routes and middleware."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from api.background import heartbeat_loop, precompute
+from api.errors import install_error_handlers
+from api.jobs import JobService
+from api.metrics import Metrics
+from api.middleware import BodyLimitMiddleware, TimingMiddleware
+from api.routes import events, health, jobs, pages, plan, schedule
+from api.settings import Settings, get_settings
+from api.solver import Solver
+from api.store import SQLiteStore
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the service. Without `settings`, they come from the environment (RECYCLE_*).
+
+    Raises RuntimeError when there is no controller token and insecure_dev is off.
+    """
+    settings = settings or get_settings()
+    settings.check_startable()
+    metrics = Metrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = SQLiteStore(settings.data_dir)
+        solver = Solver(settings.solver_processes, settings.background_processes)
+        service = JobService(settings, store, solver, metrics)
+        app.state.service = service
+        tasks: set[asyncio.Task[None]] = set()
+        app.state.tasks = tasks
+        runtimes = service.load()
+        solver.start()
+        for rt in runtimes:
+            if rt.view is None:
+                await service.ensure_version(rt)
+            if rt.record.precompute_total == 0 or rt.record.precompute_done < rt.record.precompute_total:
+                tasks.add(asyncio.create_task(precompute(service, rt)))
+        tasks.add(asyncio.create_task(heartbeat_loop(service)))
+        gc.collect()
+        gc.freeze()  # start-up objects leave the collector's generations: shorter pauses under load
+        app.state.ready = True
+        log.info("recycle service ready: %d jobs from %s", len(runtimes), store.path)
+        try:
+            yield
+        finally:
+            app.state.ready = False
+            for task in list(tasks):
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await service.stop()
+            solver.shutdown()
+            store.close()
+
+    app = FastAPI(
+        title="recycle planner service",
+        version="1",
+        description="Fault-tolerant pipeline schedules for job controllers and polling workers.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    install_error_handlers(app)
+    for module in (jobs, events, schedule, plan, health, pages):
+        app.include_router(module.router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(TimingMiddleware, metrics=metrics)
+    return app

@@ -1,0 +1,95 @@
+"""Pure ASGI middleware (cheap enough for thousands of long-polls): body size limit and request timing."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.metrics import Metrics
+
+
+async def _reject(send: Send, limit: int) -> None:
+    body = b'{"detail":"request body larger than %d bytes","error":"too_large"}' % limit
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimitMiddleware:
+    """Answer 413 to bodies over `max_bytes`, by Content-Length or by counting a streamed body."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await _reject(send, self.max_bytes)
+                return
+        if scope["method"] not in ("POST", "PUT", "PATCH", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:  # buffer the body (it is bounded), so an oversized one is refused before parsing
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # client went away
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await _reject(send, self.max_bytes)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class TimingMiddleware:
+    """Observe request latency per route template, method and status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status: dict[str, Any] = {"code": 500}
+
+        async def timed_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, timed_send)
+        finally:
+            route = scope.get("route")
+            self.metrics.request_seconds.observe(
+                time.perf_counter() - t0,
+                route=getattr(route, "path", "unmatched"),
+                method=scope["method"],
+                status=str(status["code"]),
+            )

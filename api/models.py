@@ -1,0 +1,141 @@
+"""Request and response bodies of the HTTP API (the wire documents themselves are planner.contract's)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from planner.contract import FailureScenario, JobSpec, Worker
+
+
+class JobCreate(BaseModel):
+    """POST /v1/jobs body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job: JobSpec = Field(description="The job spec (CONTRACT.md section 1).")
+    max_failures: int = Field(default=2, ge=0, description="Precompute plans for up to this many failures.")
+    heartbeat_enabled: bool = Field(default=True, description="Declare silent workers failed.")
+    heartbeat_timeout_s: float | None = Field(
+        default=None, gt=0, le=86400, description="Silence that fails a worker; default from settings."
+    )
+
+
+class JobPatch(BaseModel):
+    """PATCH /v1/jobs/{id} body: controller switches."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    heartbeat_enabled: bool | None = Field(default=None, description="Turn heartbeat failure on or off.")
+    heartbeat_timeout_s: float | None = Field(default=None, gt=0, le=86400, description="New timeout.")
+
+
+class JobCreated(BaseModel):
+    """POST /v1/jobs answer. The worker token is shown only here."""
+
+    id: str
+    worker_token: str = Field(description="Bearer token for this job's workers (GET schedule only).")
+    version: int
+    state: str
+
+
+class Precompute(BaseModel):
+    total: int
+    done: int
+
+
+class JobStatus(BaseModel):
+    """GET /v1/jobs/{id} answer."""
+
+    id: str
+    name: str
+    state: Literal["running", "needs_restore"]
+    failed: list[Worker]
+    slow: list[dict[str, Any]]
+    version: int
+    source: str | None = Field(description="Who made the current schedule: precomputed, greedy, cpsat.")
+    iteration_time_ms: float | None
+    unrecoverable_stages: list[int]
+    max_failures: int
+    heartbeat_enabled: bool
+    heartbeat_timeout_s: float
+    precompute: Precompute
+    created_at: float
+
+
+class EventIn(BaseModel):
+    """POST /v1/jobs/{id}/events body. Idempotent by event_id."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    event_id: str = Field(min_length=1, max_length=200, description="Client-chosen id; replays are no-ops.")
+    kind: Literal["fail", "rejoin", "slow"] = Field(description="fail, rejoin, or slow (with factor).")
+    workers: list[Worker] = Field(min_length=1, max_length=4096, description="Workers [d, s] concerned.")
+    factor: float | None = Field(
+        default=None, gt=0, le=1000, description="For slow: the new factor; 1.0 clears slowness."
+    )
+    reason: str | None = Field(default=None, max_length=1000, description="Free text for the history.")
+
+    @model_validator(mode="after")
+    def _check_factor(self) -> EventIn:
+        if self.kind == "slow" and self.factor is None:
+            raise ValueError("kind 'slow' needs factor")
+        if self.kind != "slow" and self.factor is not None:
+            raise ValueError(f"kind {self.kind!r} takes no factor")
+        return self
+
+
+class EventResult(BaseModel):
+    """POST /v1/jobs/{id}/events answer."""
+
+    event_id: str
+    job_id: str
+    version: int
+    state: str
+    source: str | None
+    failed: list[Worker]
+    changed: bool = Field(description="False when the event did not change the failure set.")
+    replayed: bool = Field(default=False, description="True when this event_id was already applied.")
+
+
+class PlanRequest(BaseModel):
+    """POST /v1/plan body: a stateless what-if."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job: JobSpec
+    scenario: FailureScenario = Field(default_factory=FailureScenario)
+    time_limit_s: float | None = Field(default=None, gt=0, description="Capped by the service settings.")
+    use_cpsat: bool = True
+
+
+class PlanResponse(BaseModel):
+    schedule: dict[str, Any]
+    figures: dict[str, Any]
+
+
+class ScheduleEnvelope(BaseModel):
+    """GET /v1/jobs/{id}/schedule answer without `worker` (documentation model)."""
+
+    job_id: str
+    version: int
+    state: str
+    source: str
+    schedule: dict[str, Any]
+
+
+class WorkerView(BaseModel):
+    """GET /v1/jobs/{id}/schedule?worker=d,s answer (documentation model)."""
+
+    job_id: str
+    version: int
+    state: str
+    worker: Worker
+    alive: bool
+    iteration_time_ms: float
+    stage_alive: list[Worker] = Field(description="Alive workers of this stage (its OPT all-reduce group).")
+    routes: list[dict[str, Any]] = Field(
+        description="Per hosted micro-batch: prev_host (stage s-1) and next_host (stage s+1)."
+    )
+    actions: list[dict[str, Any]]

@@ -1,0 +1,46 @@
+"""/v1/plan: a stateless what-if (job spec + scenario in, schedule + figures out)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from fastapi import APIRouter
+
+from api.deps import ControllerDep, ServiceDep
+from api.errors import SolverBusyError
+from api.models import PlanRequest, PlanResponse
+from api.rules import check_dimensions
+from api.solver import raise_error
+
+router = APIRouter(prefix="/v1", tags=["plan"])
+
+GRACE_S = 10.0  # greedy, validation and process start-up on top of the CP-SAT limit
+
+
+@router.post("/plan", response_model=PlanResponse, responses={409: {"description": "Unrecoverable scenario"}})
+async def what_if(body: PlanRequest, service: ServiceDep, _: ControllerDep) -> PlanResponse:
+    """Plan one scenario in the what-if pool with a time limit capped by the settings."""
+    settings = service.settings
+    check_dimensions(body.job, settings)
+    body.scenario.check_against(body.job)
+    limit = settings.cap_time_limit(body.time_limit_s, settings.plan_time_limit_s).total_seconds()
+    t0 = time.perf_counter()
+    try:
+        out = await asyncio.wait_for(
+            service.solver.run(
+                service.solver.whatif,
+                body.job.model_dump_json(),
+                body.scenario.model_dump_json(),
+                limit,
+                body.use_cpsat,
+            ),
+            limit + GRACE_S,
+        )
+    except TimeoutError:
+        raise SolverBusyError(f"what-if solve did not finish within {limit + GRACE_S:.0f} s") from None
+    service.metrics.solve_seconds.observe(time.perf_counter() - t0, purpose="whatif")
+    service.metrics.solves.inc(purpose="whatif", source=out.source or "error")
+    raise_error(out)
+    return PlanResponse(schedule=json.loads(out.physical_json), figures=out.figures)

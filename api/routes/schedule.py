@@ -1,0 +1,92 @@
+"""/v1/jobs/{id}/schedule: the long-poll workers use. Polls with `worker` are heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Response
+
+from api.deps import ReaderDep, ServiceDep
+from api.jobs import JobRuntime
+from api.models import ScheduleEnvelope, WorkerView
+from api.views import VersionView
+from planner.errors import InvalidInputError
+
+router = APIRouter(prefix="/v1/jobs", tags=["schedule"])
+
+
+def parse_worker(text: str, rt: JobRuntime) -> tuple[int, int]:
+    """`d,s` -> (d, s) inside the job's grid, else InvalidInputError."""
+    try:
+        d_text, s_text = text.split(",")
+        d, s = int(d_text), int(s_text)
+    except ValueError:
+        raise InvalidInputError(f"worker: {text!r} is not 'd,s'") from None
+    if not (0 <= d < rt.job.num_pipelines and 0 <= s < rt.job.num_stages):
+        raise InvalidInputError(
+            f"worker: [{d}, {s}] is outside the job's grid "
+            f"({rt.job.num_pipelines} pipelines x {rt.job.num_stages} stages)"
+        )
+    return d, s
+
+
+def _etag_version(if_none_match: str | None) -> int:
+    if not if_none_match:
+        return 0
+    text = if_none_match.strip().removeprefix("W/").strip('"')
+    return int(text) if text.isdigit() else 0
+
+
+async def wait_newer(rt: JobRuntime, after: int, wait_s: float) -> VersionView | None:
+    """The current view once its version is above `after`, or None after `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    while rt.view is None or rt.version <= after:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        try:
+            async with asyncio.timeout(remaining):  # no extra task per waiter, unlike wait_for
+                await rt.changed.wait()
+        except TimeoutError:
+            return None
+    return rt.view
+
+
+@router.get(
+    "/{job_id}/schedule",
+    responses={
+        200: {"model": ScheduleEnvelope | WorkerView, "description": "The schedule (or one worker's view)."},
+        304: {"description": "No version newer than after_version / If-None-Match within `wait`."},
+    },
+)
+async def get_schedule(
+    job_id: str,
+    service: ServiceDep,
+    _: ReaderDep,
+    worker: Annotated[str | None, Query(description="d,s: this worker's view; a heartbeat")] = None,
+    after_version: Annotated[int, Query(ge=0, description="Wait for a version newer than this")] = 0,
+    wait: Annotated[float, Query(ge=0, description="Seconds to wait (capped by the service)")] = 0.0,
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> Response:
+    """The current schedule version, at once if newer than after_version, else after up to `wait` s."""
+    rt = service.get(job_id)
+    w = None if worker is None else parse_worker(worker, rt)
+    after = max(after_version, _etag_version(if_none_match))
+    wait_s = min(wait, service.settings.max_wait_s)
+    if w is not None:
+        rt.last_seen[w] = time.monotonic()
+        rt.polling[w] = rt.polling.get(w, 0) + 1
+    service.metrics.pollers.inc(1)
+    try:
+        view = await wait_newer(rt, after, wait_s)
+    finally:
+        service.metrics.pollers.inc(-1)
+        if w is not None:
+            rt.polling[w] -= 1
+            rt.last_seen[w] = time.monotonic()
+    if view is None:
+        return Response(status_code=304, headers={"ETag": f'"{rt.version}"'})
+    body = view.full() if w is None else view.for_worker(w)
+    return Response(body, media_type="application/json", headers={"ETag": f'"{view.version}"'})

@@ -1,0 +1,208 @@
+"""Solving off the request path: planner calls in process pools, plus canonical-plan mapping.
+
+Three pools keep the kinds of work from starving each other: `events` (greedy plans an event is
+waiting for), `whatif` (POST /v1/plan) and `background` (CP-SAT refinement after a cache miss, then
+precomputation, in that priority order). Work runs in spawned processes, so CP-SAT never holds the
+event loop or the GIL of the server process.
+
+Precomputed plans are stored per normalized scenario key as the *canonical* schedule (pipelines
+numbered as normalize() numbers them); from_canonical() maps one onto any physical scenario with the
+same key. That is a relabelling of pipelines, which keeps validity and iteration time unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from concurrent.futures import Executor, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from planner.contract import FailureScenario, JobSpec, Schedule
+from planner.errors import InvalidInputError, PlannerError, ScheduleRuleError, UnrecoverableScenarioError
+from planner.normalize import Normalized, normalize, to_physical
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SolveOutput:
+    """What a pool process sends back (plain data, cheap to pickle)."""
+
+    key: str
+    canonical_json: str
+    physical_json: str
+    iteration_time_ms: float
+    source: str
+    figures: dict[str, Any] = field(default_factory=dict)
+    error: tuple[str, str, list[int]] | None = None  # (kind, message, stages)
+
+
+def to_canonical(schedule: Schedule, norm: Normalized) -> Schedule:
+    """Inverse of planner.normalize.to_physical: relabel a physical schedule's pipelines canonically."""
+    inverse = [0] * len(norm.to_physical)
+    for c, d in enumerate(norm.to_physical):
+        inverse[d] = c
+    back = Normalized(key=norm.key, scenario=norm.scenario, to_physical=tuple(inverse))
+    return to_physical(schedule, back, norm.scenario)
+
+
+def from_canonical(canonical_json: str, job: JobSpec, scenario: FailureScenario) -> Schedule:
+    """The stored canonical schedule of scenario's key, mapped onto scenario's physical workers."""
+    norm = normalize(job, scenario)
+    return to_physical(Schedule.model_validate_json(canonical_json), norm, scenario)
+
+
+def solve(job_json: str, scenario_json: str, time_limit_s: float, use_cpsat: bool) -> SolveOutput:
+    """Pool entry point: plan one scenario. Planner errors come back in `.error` (they do not pickle)."""
+    from planner.plan import plan
+
+    job = JobSpec.model_validate_json(job_json)
+    scenario = FailureScenario.model_validate_json(scenario_json)
+    try:
+        result = plan(job, scenario, time_limit=timedelta(seconds=time_limit_s), use_cpsat=use_cpsat)
+    except UnrecoverableScenarioError as exc:
+        return SolveOutput("", "", "", 0.0, "", error=("unrecoverable", str(exc), exc.stages))
+    except PlannerError as exc:
+        kind = "rule" if isinstance(exc, ScheduleRuleError) else "invalid"
+        return SolveOutput("", "", "", 0.0, "", error=(kind, str(exc), []))
+    except Exception as exc:  # a planner bug: report it as such instead of a broken pool
+        log.exception("planner failed")
+        return SolveOutput("", "", "", 0.0, "", error=("internal", f"{type(exc).__name__}: {exc}", []))
+    norm = normalize(job, scenario)
+    canonical = to_canonical(result.schedule, norm)
+    try:
+        figures = result.figures()
+    except ArithmeticError:  # e.g. a job whose every duration is 0 has a zero lower bound
+        figures = {"job": job.name, "iteration_time_ms": result.iteration_time_ms, "source": result.source}
+    return SolveOutput(
+        key=result.key,
+        canonical_json=canonical.model_dump_json(exclude_none=True),
+        physical_json=result.schedule.model_dump_json(exclude_none=True),
+        iteration_time_ms=result.iteration_time_ms,
+        source=result.source,
+        figures=figures,
+    )
+
+
+def raise_error(out: SolveOutput) -> None:
+    """Re-raise a planner error a pool process reported."""
+    if out.error is None:
+        return
+    kind, message, stages = out.error
+    if kind == "unrecoverable":
+        raise UnrecoverableScenarioError(stages)
+    if kind in ("rule", "internal"):
+        raise ScheduleRuleError("planner", message)
+    raise InvalidInputError(message)
+
+
+def enumerate_scenarios(job: JobSpec, max_failures: int, limit: int) -> list[FailureScenario]:
+    """Canonical recoverable scenarios with 0..max_failures failed workers, one per key, fewest first.
+
+    Any set of k failures touches at most k pipelines and, up to a relabelling, pipelines 0..k-1,
+    so only workers of those pipelines are combined. Stops after `limit` distinct keys.
+    """
+    seen: set[str] = set()
+    out: list[FailureScenario] = []
+    for k in range(max_failures + 1):
+        grid = [(d, s) for d in range(min(k, job.num_pipelines)) for s in range(job.num_stages)]
+        for combo in itertools.combinations(grid, k):
+            scenario = FailureScenario(failed=list(combo))
+            try:
+                scenario.check_against(job)
+            except UnrecoverableScenarioError:
+                continue
+            norm = normalize(job, scenario)
+            if norm.key in seen:
+                continue
+            seen.add(norm.key)
+            out.append(norm.scenario)
+            if len(out) >= limit:
+                return out
+    return out
+
+
+def _noop() -> int:
+    return 0
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Pool initializer: end this process when the service dies, even by kill -9 (no orphans)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class Solver:
+    """The process pools and the background priority queue."""
+
+    def __init__(self, events_processes: int, background_processes: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        kw: dict[str, Any] = {"mp_context": ctx, "initializer": _exit_with_parent, "initargs": (os.getpid(),)}
+        self.events: Executor = ProcessPoolExecutor(events_processes, **kw)
+        self.whatif: Executor = ProcessPoolExecutor(1, **kw)
+        self.background: Executor = ProcessPoolExecutor(background_processes, **kw)
+        self._num_background = background_processes
+        self._queue: asyncio.PriorityQueue[tuple[int, int, tuple[Any, ...], asyncio.Future[Any]]] = (
+            asyncio.PriorityQueue()
+        )
+        self._seq = itertools.count()
+        self._consumers: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        """Start the background consumers and warm the pools (spawn start-up is paid now, not later)."""
+        for _ in range(self._num_background):
+            self._consumers.append(asyncio.create_task(self._consume()))
+        for pool in (self.events, self.whatif, self.background):
+            pool.submit(_noop)
+
+    async def run(self, pool: Executor, *args: Any) -> SolveOutput:
+        """solve(*args) in `pool`, awaited without blocking the event loop."""
+        out: SolveOutput = await asyncio.get_running_loop().run_in_executor(pool, solve, *args)
+        return out
+
+    def submit_background(self, priority: int, *args: Any) -> asyncio.Future[SolveOutput]:
+        """Queue solve(*args) for the background pool; lower priority numbers run first."""
+        fut: asyncio.Future[SolveOutput] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((priority, next(self._seq), args, fut))
+        return fut
+
+    async def _consume(self) -> None:
+        while True:
+            _, _, args, fut = await self._queue.get()
+            if fut.cancelled():
+                continue
+            try:
+                out = await self.run(self.background, *args)
+            except asyncio.CancelledError:
+                fut.cancel()
+                raise
+            except Exception as exc:  # a crashed pool process must not kill the consumer
+                log.exception("background solve failed")
+                if not fut.done():
+                    fut.set_exception(exc)
+                continue
+            if not fut.done():
+                fut.set_result(out)
+
+    def shutdown(self) -> None:
+        """Stop consumers and pools; running solves in pool processes are terminated."""
+        for task in self._consumers:
+            task.cancel()
+        for pool in (self.events, self.whatif, self.background):
+            procs = list(getattr(pool, "_processes", {}).values())
+            pool.shutdown(wait=False, cancel_futures=True)
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()

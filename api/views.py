@@ -1,0 +1,94 @@
+"""Serialized schedule answers, built once per (version, worker) and reused for every poller."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+Worker = tuple[int, int]
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+@dataclass
+class VersionView:
+    """One published version: its schedule document and lazily built, cached answers."""
+
+    job_id: str
+    version: int
+    state: str
+    source: str
+    schedule: dict[str, Any]
+    _full: bytes | None = None
+    _by_worker: dict[Worker, bytes] = field(default_factory=dict)
+    _hosts: dict[tuple[int, Worker], Worker] | None = None
+    _actions: dict[Worker, list[dict[str, Any]]] | None = None
+
+    def full(self) -> bytes:
+        """The whole schedule in an envelope."""
+        if self._full is None:
+            self._full = _dumps(
+                {
+                    "job_id": self.job_id,
+                    "version": self.version,
+                    "state": self.state,
+                    "source": self.source,
+                    "schedule": self.schedule,
+                }
+            )
+        return self._full
+
+    def _index(self) -> None:
+        hosts: dict[tuple[int, Worker], Worker] = {}
+        actions: dict[Worker, list[dict[str, Any]]] = {}
+        for ws in self.schedule["workers"]:
+            w = (int(ws["worker"][0]), int(ws["worker"][1]))
+            actions[w] = ws["actions"]
+            for a in ws["actions"]:
+                if a["op"] == "F":
+                    hosts[(w[1], (int(a["mb"][0]), int(a["mb"][1])))] = w
+        self._hosts, self._actions = hosts, actions
+
+    def for_worker(self, worker: Worker) -> bytes:
+        """Only `worker`'s order, the alive set of its stage, and the hosts it exchanges with."""
+        cached = self._by_worker.get(worker)
+        if cached is not None:
+            return cached
+        if self._actions is None:
+            self._index()
+        assert self._actions is not None and self._hosts is not None
+        d, s = worker
+        actions = self._actions.get(worker)
+        routes = []
+        for a in actions or []:
+            if a["op"] != "F":
+                continue
+            mb = (int(a["mb"][0]), int(a["mb"][1]))
+            prev = self._hosts.get((s - 1, mb))
+            nxt = self._hosts.get((s + 1, mb))
+            routes.append(
+                {
+                    "mb": list(mb),
+                    "prev_host": None if prev is None else list(prev),
+                    "next_host": None if nxt is None else list(nxt),
+                }
+            )
+        body = _dumps(
+            {
+                "job_id": self.job_id,
+                "version": self.version,
+                "state": self.state,
+                "worker": [d, s],
+                "alive": actions is not None,
+                "iteration_time_ms": self.schedule["iteration_time_ms"],
+                "failed": self.schedule.get("failed", []),
+                "stage_alive": sorted([list(w) for w in self._actions if w[1] == s]),
+                "routes": routes,
+                "actions": actions or [],
+            }
+        )
+        self._by_worker[worker] = body
+        return body

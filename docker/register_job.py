@@ -1,0 +1,36 @@
+"""One-shot compose step: register a job with the service and write its id and worker token for workers.
+
+python docker/register_job.py URL JOB.json OUT.env   (controller token from RECYCLE_CONTROLLER_TOKEN)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import urllib.request
+
+
+def main() -> int:
+    """POST /v1/jobs and write RECYCLE_JOB_ID / RECYCLE_WORKER_TOKEN lines to OUT.env."""
+    url, job_path, out_path = sys.argv[1:4]
+    with open(job_path) as f:
+        body = json.dumps({"job": json.load(f), "max_failures": 1}).encode()
+    req = urllib.request.Request(
+        f"{url}/v1/jobs",
+        data=body,
+        headers={
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {os.environ['RECYCLE_CONTROLLER_TOKEN']}",
+        },
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        created = json.load(resp)
+    with open(out_path, "w") as f:
+        f.write(f"RECYCLE_JOB_ID={created['id']}\nRECYCLE_WORKER_TOKEN={created['worker_token']}\n")
+    print(f"registered job {created['id']} (version {created['version']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

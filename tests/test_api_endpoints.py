@@ -1,0 +1,263 @@
+"""Every HTTP endpoint through TestClient, including the 401/403/404/409/413/422 paths."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient
+
+from api.main import create_app
+from api.settings import Settings
+from planner.contract import FailureScenario, JobSpec, Schedule
+from planner.simulator import validate
+
+pytestmark = pytest.mark.timeout(120)
+
+STAGE = {"forward": 1.0, "backward_input": 1.0, "backward_weight": 1.0, "optimizer": 0.5,
+         "activation_mib": 10.0, "weight_grad_mib": 5.0}  # fmt: skip
+TINY: dict[str, Any] = {
+    "name": "tiny-d3p2",
+    "num_pipelines": 3,
+    "num_stages": 2,
+    "num_microbatches": 2,
+    "stages": [STAGE, STAGE],
+    "comm": {"activation_ms": 0.05, "cross_pipeline_ms": 0.2, "allreduce_ms": 0.4},
+}
+CTL = {"Authorization": "Bearer controller-secret"}
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    settings = Settings(
+        data_dir=tmp_path_factory.mktemp("data"),
+        controller_token="controller-secret",  # type: ignore[arg-type]
+        precompute_time_limit_s=1.0,
+        refine_time_limit_s=1.0,
+        max_body_bytes=20_000,
+        heartbeat_timeout_s=0.6,
+        heartbeat_check_s=0.1,
+        max_wait_s=2.0,
+    )
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+def new_job(client: TestClient, **extra: Any) -> tuple[str, dict[str, str]]:
+    r = client.post("/v1/jobs", json={"job": TINY, "heartbeat_enabled": False, **extra}, headers=CTL)
+    assert r.status_code == 201, r.text
+    body = r.json()
+    assert body["version"] == 1 and body["state"] == "running"
+    return body["id"], {"Authorization": f"Bearer {body['worker_token']}"}
+
+
+def event(client: TestClient, job_id: str, event_id: str, kind: str, workers: list[list[int]], **kw: Any):  # type: ignore[no-untyped-def]
+    body = {"event_id": event_id, "kind": kind, "workers": workers, **kw}
+    return client.post(f"/v1/jobs/{job_id}/events", json=body, headers=CTL)
+
+
+def test_create_and_get_job(client: TestClient) -> None:
+    job_id, worker = new_job(client)
+    for headers in (CTL, worker):
+        r = client.get(f"/v1/jobs/{job_id}", headers=headers)
+        assert r.status_code == 200
+        doc = r.json()
+        assert doc["name"] == "tiny-d3p2" and doc["failed"] == [] and doc["version"] == 1
+        assert doc["precompute"]["total"] >= doc["precompute"]["done"] >= 0
+
+
+def test_auth_401_and_403(client: TestClient) -> None:
+    job_id, worker = new_job(client)
+    other_id, other_worker = new_job(client)
+    assert client.post("/v1/jobs", json={"job": TINY}).status_code == 401
+    r = client.post("/v1/jobs", json={"job": TINY}, headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert client.get(f"/v1/jobs/{job_id}/schedule").status_code == 401
+    # a worker token: reads its own job, nothing else, never mutates
+    assert client.get(f"/v1/jobs/{job_id}/schedule", headers=worker).status_code == 200
+    assert client.get(f"/v1/jobs/{other_id}/schedule", headers=worker).status_code == 403
+    assert client.get(f"/v1/jobs/{job_id}/schedule", headers=other_worker).status_code == 403
+    body = {"event_id": "x", "kind": "fail", "workers": [[0, 0]]}
+    assert client.post(f"/v1/jobs/{job_id}/events", json=body, headers=worker).status_code == 403
+    assert client.post("/v1/jobs", json={"job": TINY}, headers=worker).status_code == 403
+    assert client.patch(f"/v1/jobs/{job_id}", json={}, headers=worker).status_code == 403
+
+
+def test_404_and_422(client: TestClient) -> None:
+    assert client.get("/v1/jobs/nope", headers=CTL).status_code == 404
+    assert client.get("/v1/jobs/nope/schedule", headers=CTL).status_code == 404
+    assert event(client, "nope", "e", "fail", [[0, 0]]).status_code == 404
+    bad = dict(TINY, num_stages=3)  # stages has 2 entries
+    assert client.post("/v1/jobs", json={"job": bad}, headers=CTL).status_code == 422
+    huge = dict(TINY, num_pipelines=1000, num_stages=1000, stages=[STAGE] * 1000)
+    r = client.post("/v1/jobs", json={"job": huge}, headers=CTL)
+    assert r.status_code in (413, 422)
+    r = client.post("/v1/jobs", json={"job": TINY, "max_failures": 4}, headers=CTL)
+    assert r.status_code == 422 and "max_failures" in r.json()["detail"]
+    job_id, _ = new_job(client)
+    assert event(client, job_id, "e", "fail", [[5, 0]]).status_code == 422  # off the grid
+    assert event(client, job_id, "e", "slow", [[0, 0]]).status_code == 422  # slow needs factor
+    assert event(client, job_id, "e", "boom", [[0, 0]]).status_code == 422
+    assert client.get(f"/v1/jobs/{job_id}/schedule?worker=9,9", headers=CTL).status_code == 422
+    assert client.get(f"/v1/jobs/{job_id}/schedule?worker=zz", headers=CTL).status_code == 422
+
+
+def test_dimension_bound_d_times_p_times_m(client: TestClient) -> None:
+    big = dict(TINY, num_microbatches=4096, num_pipelines=100)  # 100*2*4096 > 300k
+    r = client.post("/v1/jobs", json={"job": big}, headers=CTL)
+    assert r.status_code == 422 and "D*P*M" in r.json()["detail"]
+
+
+def test_body_size_limit(client: TestClient) -> None:
+    r = client.post("/v1/jobs", content=b"{" + b" " * 30_000 + b"}", headers=CTL)
+    assert r.status_code == 413
+
+
+def test_events_fail_rejoin_slow_and_versions(client: TestClient) -> None:
+    job_id, _ = new_job(client)
+    r = event(client, job_id, "f1", "fail", [[1, 1]])
+    assert r.status_code == 200, r.text
+    assert r.json()["version"] == 2 and r.json()["failed"] == [[1, 1]] and r.json()["changed"]
+    r = event(client, job_id, "s1", "slow", [[0, 0]], factor=1.5)
+    assert r.status_code == 200 and r.json()["version"] == 3
+    r = event(client, job_id, "f1-again", "fail", [[1, 1]])  # no change: no new version
+    assert r.json()["version"] == 3 and not r.json()["changed"]
+    r = event(client, job_id, "r1", "rejoin", [[1, 1]])
+    assert r.json()["version"] == 4 and r.json()["failed"] == []
+    doc = client.get(f"/v1/jobs/{job_id}", headers=CTL).json()
+    assert doc["version"] == 4 and doc["slow"] == [{"worker": [0, 0], "factor": 1.5}]
+    sched = Schedule.model_validate(client.get(f"/v1/jobs/{job_id}/schedule", headers=CTL).json()["schedule"])
+    scenario = FailureScenario.model_validate({"failed": [], "slow": doc["slow"]})
+    validate(JobSpec.model_validate(TINY), scenario, sched)  # the referee accepts what is served
+
+
+def test_event_replay_is_idempotent_and_conflict_is_409(client: TestClient) -> None:
+    job_id, _ = new_job(client)
+    first = event(client, job_id, "e1", "fail", [[2, 0]])
+    again = event(client, job_id, "e1", "fail", [[2, 0]])
+    assert first.status_code == again.status_code == 200
+    assert again.json()["replayed"] and again.json()["version"] == first.json()["version"] == 2
+    assert client.get(f"/v1/jobs/{job_id}", headers=CTL).json()["version"] == 2
+    r = event(client, job_id, "e1", "fail", [[0, 0]])
+    assert r.status_code == 409 and r.json()["error"] == "event_conflict"
+
+
+def test_unrecoverable_is_409_naming_the_stage(client: TestClient) -> None:
+    job_id, _ = new_job(client)
+    r = event(client, job_id, "all-stage-1", "fail", [[0, 1], [1, 1], [2, 1]])
+    assert r.status_code == 409
+    assert r.json()["stages"] == [1] and "stage 1" in r.json()["detail"]
+    assert "checkpoint" in r.json()["action"]
+    doc = client.get(f"/v1/jobs/{job_id}", headers=CTL).json()
+    assert doc["state"] == "needs_restore" and doc["unrecoverable_stages"] == [1]
+    replay = event(client, job_id, "all-stage-1", "fail", [[0, 1], [1, 1], [2, 1]])
+    assert replay.status_code == 409 and replay.json()["stages"] == [1]
+    r = event(client, job_id, "back", "rejoin", [[0, 1]])
+    assert r.status_code == 200 and r.json()["state"] == "running"
+
+
+def test_schedule_etag_304_and_long_poll_timeout(client: TestClient) -> None:
+    job_id, worker = new_job(client)
+    r = client.get(f"/v1/jobs/{job_id}/schedule", headers=worker)
+    assert r.status_code == 200 and r.headers["etag"] == '"1"' and r.json()["version"] == 1
+    r = client.get(f"/v1/jobs/{job_id}/schedule", headers={**worker, "If-None-Match": '"1"'})
+    assert r.status_code == 304
+    r = client.get(f"/v1/jobs/{job_id}/schedule?after_version=1&wait=0.3", headers=worker)
+    assert r.status_code == 304 and r.headers["etag"] == '"1"'
+    event(client, job_id, "f", "fail", [[0, 1]])
+    r = client.get(f"/v1/jobs/{job_id}/schedule?after_version=1&wait=5", headers=worker)
+    assert r.status_code == 200 and r.json()["version"] == 2
+
+
+def test_worker_view(client: TestClient) -> None:
+    job_id, worker = new_job(client)
+    event(client, job_id, "f", "fail", [[1, 1]])
+    full = client.get(f"/v1/jobs/{job_id}/schedule", headers=worker).json()["schedule"]
+    hosts = {(ws["worker"][1], tuple(a["mb"])): tuple(ws["worker"]) for ws in full["workers"]
+             for a in ws["actions"] if a["op"] == "F"}  # fmt: skip
+    view = client.get(f"/v1/jobs/{job_id}/schedule?worker=0,1", headers=worker).json()
+    assert view["alive"] and view["worker"] == [0, 1] and view["stage_alive"] == [[0, 1], [2, 1]]
+    mine = next(ws for ws in full["workers"] if ws["worker"] == [0, 1])
+    assert view["actions"] == mine["actions"]
+    assert {tuple(r["mb"]) for r in view["routes"]} == {
+        tuple(a["mb"]) for a in mine["actions"] if a["op"] == "F"
+    }
+    for route in view["routes"]:
+        assert tuple(route["prev_host"]) == hosts[(0, tuple(route["mb"]))]
+        assert route["next_host"] is None
+    dead = client.get(f"/v1/jobs/{job_id}/schedule?worker=1,1", headers=worker).json()
+    assert not dead["alive"] and dead["actions"] == []
+
+
+def test_heartbeat_declares_silent_worker_failed(client: TestClient) -> None:
+    import time
+
+    job_id, worker = new_job(client)
+    client.patch(f"/v1/jobs/{job_id}", json={"heartbeat_enabled": True}, headers=CTL)
+    assert client.get(f"/v1/jobs/{job_id}/schedule?worker=2,0", headers=worker).status_code == 200
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        doc = client.get(f"/v1/jobs/{job_id}", headers=CTL).json()
+        if doc["failed"]:
+            break
+        time.sleep(0.1)
+    assert doc["failed"] == [[2, 0]] and doc["version"] == 2
+
+
+def test_heartbeat_switch_off_keeps_worker(client: TestClient) -> None:
+    import time
+
+    job_id, worker = new_job(client)  # heartbeat_enabled False
+    client.get(f"/v1/jobs/{job_id}/schedule?worker=2,0", headers=worker)
+    time.sleep(1.2)
+    assert client.get(f"/v1/jobs/{job_id}", headers=CTL).json()["failed"] == []
+
+
+def test_what_if_plan(client: TestClient) -> None:
+    body = {"job": TINY, "scenario": {"failed": [[0, 0]]}, "time_limit_s": 1000, "use_cpsat": False}
+    r = client.post("/v1/plan", json=body, headers=CTL)
+    assert r.status_code == 200, r.text
+    sched = Schedule.model_validate(r.json()["schedule"])
+    assert sched.failed == [(0, 0)] and r.json()["figures"]["iteration_time_ms"] > 0
+    body["scenario"] = {"failed": [[0, 0], [1, 0], [2, 0]]}
+    r = client.post("/v1/plan", json=body, headers=CTL)
+    assert r.status_code == 409 and r.json()["stages"] == [0]
+    body["scenario"] = {"failed": [[7, 0]]}
+    assert client.post("/v1/plan", json=body, headers=CTL).status_code == 422
+    assert client.post("/v1/plan", json=body).status_code == 401
+
+
+def test_health_ready_metrics_openapi(client: TestClient) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").status_code == 200
+    text = client.get("/metrics").text
+    names = ["recycle_http_request_duration_seconds_bucket", "recycle_schedule_versions_total"]
+    names += ["recycle_connected_pollers", "recycle_plan_cache_total", "recycle_solves_total"]
+    assert all(name in text for name in names)
+    paths = client.get("/openapi.json").json()["paths"]
+    assert {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/events", "/v1/jobs/{job_id}/schedule",
+            "/v1/plan", "/jobs/{job_id}"} <= set(paths)  # fmt: skip
+
+
+def test_job_page(client: TestClient) -> None:
+    job_id, worker = new_job(client)
+    event(client, job_id, "f", "fail", [[1, 0]], reason="<script>x</script>")
+    assert client.get(f"/jobs/{job_id}").status_code == 401
+    r = client.get(f"/jobs/{job_id}", headers=worker)
+    assert r.status_code == 200 and "<svg" in r.text and "[1, 0]" in r.text
+    assert client.get(f"/jobs/{job_id}?token=controller-secret").status_code == 200
+    assert "<script>" not in r.text
+
+
+def test_insecure_dev_and_refusal(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="controller token"):
+        create_app(Settings(data_dir=tmp_path))
+    app = create_app(Settings(data_dir=tmp_path, insecure_dev=True))
+    with TestClient(app) as c:
+        assert c.get("/v1/jobs/none").status_code == 404  # no auth asked at all
+    assert json.loads(json.dumps(TINY))["name"] == "tiny-d3p2"

@@ -1,0 +1,187 @@
+"""A real uvicorn process on 127.0.0.1: long-poll wake-up, concurrent events, kill -9 and restart."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+pytestmark = pytest.mark.timeout(150)
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "live-controller-token"
+CTL = {"Authorization": f"Bearer {TOKEN}"}
+STAGE = {"forward": 1.0, "backward_input": 1.0, "backward_weight": 1.0, "optimizer": 0.5,
+         "activation_mib": 10.0, "weight_grad_mib": 5.0}  # fmt: skip
+JOB: dict[str, Any] = {
+    "name": "tiny-d4p3",
+    "num_pipelines": 4,
+    "num_stages": 3,
+    "num_microbatches": 2,
+    "stages": [STAGE] * 3,
+    "comm": {"activation_ms": 0.05, "cross_pipeline_ms": 0.2, "allreduce_ms": 0.4},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def server(data_dir: Path, port: int, **extra_env: str) -> Iterator[subprocess.Popen[bytes]]:
+    """Run `python -m api.cli` (the serve command) until the block ends; wait for /readyz first."""
+    env = dict(os.environ, RECYCLE_CONTROLLER_TOKEN=TOKEN, PYTHONPATH=str(ROOT), RECYCLE_MAX_WAIT_S="30")
+    env.update(RECYCLE_PRECOMPUTE_TIME_LIMIT_S="1", RECYCLE_REFINE_TIME_LIMIT_S="1", **extra_env)
+    cmd = [sys.executable, "-m", "api.cli", "--port", str(port), "--data-dir", str(data_dir)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 40
+        while True:
+            assert proc.poll() is None, "server exited during start-up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server not ready in 40 s"
+            time.sleep(0.2)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+
+
+def create_job(base: str) -> tuple[str, dict[str, str]]:
+    r = httpx.post(f"{base}/v1/jobs", json={"job": JOB, "heartbeat_enabled": False}, headers=CTL, timeout=30)
+    assert r.status_code == 201, r.text
+    return r.json()["id"], {"Authorization": f"Bearer {r.json()['worker_token']}"}
+
+
+def test_long_poll_wakes_every_poller_on_an_event(tmp_path: Path) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with server(tmp_path, port):
+        job_id, worker = create_job(base)
+
+        async def scenario() -> list[tuple[int, float]]:
+            async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+
+                async def poll(i: int) -> tuple[int, float]:
+                    url = f"/v1/jobs/{job_id}/schedule?worker={i % 4},{i % 3}&after_version=1&wait=20"
+                    r = await client.get(url, headers=worker)
+                    return r.status_code, time.perf_counter()
+
+                tasks = [asyncio.create_task(poll(i)) for i in range(50)]
+                await asyncio.sleep(1.0)  # all pollers are waiting now
+                assert not any(t.done() for t in tasks)
+                t0 = time.perf_counter()
+                body = {"event_id": "e1", "kind": "fail", "workers": [[1, 1]]}
+                r = await client.post(f"/v1/jobs/{job_id}/events", json=body, headers=CTL)
+                assert r.status_code == 200 and r.json()["version"] == 2
+                return [(code, t - t0) for code, t in await asyncio.gather(*tasks)]
+
+        results = asyncio.run(scenario())
+        assert all(code == 200 for code, _ in results)
+        assert max(dt for _, dt in results) < 5.0
+
+
+def test_concurrent_events_serialize_into_consecutive_versions(tmp_path: Path) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with server(tmp_path, port):
+        job_id, _ = create_job(base)
+        failures = [[d, s] for d in range(3) for s in range(3)]  # pipeline 3 survives: recoverable
+
+        async def send_all() -> list[dict[str, Any]]:
+            async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+                posts = [
+                    client.post(
+                        f"/v1/jobs/{job_id}/events",
+                        json={"event_id": f"f{d}{s}", "kind": "fail", "workers": [[d, s]]},
+                        headers=CTL,
+                    )
+                    for d, s in failures
+                ]
+                return [r.json() for r in await asyncio.gather(*posts)]
+
+        answers = asyncio.run(send_all())
+        versions = sorted(a["version"] for a in answers)
+        assert versions == list(range(2, 2 + len(failures)))
+        by_version = sorted(answers, key=lambda a: a["version"])
+        for i, a in enumerate(by_version):  # each answer's failure set is the previous one plus its event
+            assert len(a["failed"]) == i + 1
+            if i:
+                assert set(map(tuple, by_version[i - 1]["failed"])) < set(map(tuple, a["failed"]))
+        doc = httpx.get(f"{base}/v1/jobs/{job_id}", headers=CTL).json()
+        assert doc["version"] == 1 + len(failures) and sorted(doc["failed"]) == sorted(failures)
+
+
+def test_kill_9_mid_traffic_then_restart_keeps_every_job_and_version(tmp_path: Path) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    acked: dict[str, tuple[str, dict[str, Any], int]] = {}  # event_id -> (job, body, version acknowledged)
+    with server(tmp_path, port) as proc:
+        jobs = [create_job(base) for _ in range(2)]
+
+        async def traffic() -> None:
+            async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+                i = 0
+                while True:
+                    job_id, _ = jobs[i % 2]
+                    w = [(i // 2) % 4, (i // 8) % 3]
+                    event_id = f"e{i}"
+                    body = {
+                        "event_id": event_id,
+                        "kind": "fail" if (i // 2) % 2 == 0 else "rejoin",
+                        "workers": [w],
+                    }
+                    try:
+                        r = await client.post(f"/v1/jobs/{job_id}/events", json=body, headers=CTL)
+                    except httpx.TransportError:
+                        return  # the server is gone
+                    if r.status_code in (200, 409):
+                        acked[event_id] = (job_id, body, r.json().get("version", -1))
+                    i += 1
+
+        async def run_and_kill() -> None:
+            task = asyncio.create_task(traffic())
+            await asyncio.sleep(2.0)
+            os.kill(proc.pid, signal.SIGKILL)
+            await asyncio.wait_for(task, 20)
+
+        asyncio.run(run_and_kill())
+        proc.wait(timeout=10)
+    assert len(acked) >= 3
+    with server(tmp_path, port):
+        for job_id, worker in jobs:
+            doc = httpx.get(f"{base}/v1/jobs/{job_id}", headers=CTL).json()
+            mine = [v for j, _, v in acked.values() if j == job_id]
+            assert doc["version"] >= max(mine, default=1)  # never behind what a client was told
+            r = httpx.get(f"{base}/v1/jobs/{job_id}/schedule", headers=worker)  # worker token survived
+            assert r.status_code == 200 and r.json()["version"] == doc["version"]
+        for job_id, body, version in acked.values():  # replay after restart: same answer, no new version
+            r = httpx.post(f"{base}/v1/jobs/{job_id}/events", json=body, headers=CTL)
+            if r.status_code == 200:
+                assert r.json()["replayed"] and r.json()["version"] == version
+            else:
+                assert r.status_code == 409
