@@ -12,28 +12,11 @@ from planner.orders import to_schedule
 from planner.plan import plan
 from planner.problem import Problem
 from planner.simulator import validate
+from tests import jobs
 
 
 def uniform_job(D: int, P: int, M: int, cap: float | None = None, ar: float = 0.0) -> JobSpec:
-    stage = {
-        "forward": 1.0,
-        "backward_input": 1.0,
-        "backward_weight": 1.0,
-        "optimizer": 1.0,
-        "activation_mib": 100.0,
-        "weight_grad_mib": 30.0,
-    }
-    return JobSpec.model_validate(
-        {
-            "name": "tiny",
-            "num_pipelines": D,
-            "num_stages": P,
-            "num_microbatches": M,
-            "stages": [stage] * P,
-            "comm": {"activation_ms": 0.0, "cross_pipeline_ms": 0.0, "allreduce_ms": ar},
-            "memory_capacity_mib": cap,
-        }
-    )
+    return jobs.uniform_job(D, P, M, capacity_mib=cap, allreduce_ms=ar)
 
 
 def test_load_bound_by_hand() -> None:

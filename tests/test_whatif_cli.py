@@ -9,30 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from planner.contract import JobSpec
 from planner.errors import InvalidInputError
+from tests.jobs import uniform_job
 from whatif.cache import PlanCache
 from whatif.cli import add_whatif_parsers
 from whatif.precompute import precompute
 
-STAGE = {
-    "forward": 1,
-    "backward_input": 1,
-    "backward_weight": 1,
-    "optimizer": 0,
-    "activation_mib": 1,
-    "weight_grad_mib": 1,
-}
-JOB = JobSpec.model_validate(
-    dict(
-        name="tiny",
-        num_pipelines=2,
-        num_stages=2,
-        num_microbatches=2,
-        stages=[STAGE, STAGE],
-        comm={"activation_ms": 0, "cross_pipeline_ms": 0, "allreduce_ms": 0},
-    )
-)
+JOB = uniform_job(2, 2, 2, optimizer_ms=0.0, activation_mib=1.0, weight_grad_mib=1.0)
 
 
 def run(argv: list[str]) -> int:

@@ -9,29 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from planner.contract import FailureScenario, JobSpec
+from planner.contract import FailureScenario
+from tests.jobs import uniform_job
 from whatif.events import simulate
 from whatif.strategies import CheckpointRestart, Costs, Outcome, Strategy, make_strategies
 from whatif.trace import FAIL, REJOIN, Event, generate_trace
 
-STAGE = {
-    "forward": 1,
-    "backward_input": 1,
-    "backward_weight": 1,
-    "optimizer": 0,
-    "activation_mib": 1,
-    "weight_grad_mib": 1,
-}
-JOB = JobSpec.model_validate(
-    dict(
-        name="tiny",
-        num_pipelines=2,
-        num_stages=2,
-        num_microbatches=2,
-        stages=[STAGE, STAGE],
-        comm={"activation_ms": 0, "cross_pipeline_ms": 0, "allreduce_ms": 0},
-    )
-)
+JOB = uniform_job(2, 2, 2, optimizer_ms=0.0, activation_mib=1.0, weight_grad_mib=1.0)
 COSTS = Costs(checkpoint_s=10, restart_s=50, reroute_s=6, reconfig_s=6)
 TRACE = [Event(50.0, (0, 1), FAIL), Event(150.0, (0, 1), REJOIN)]
 

@@ -10,30 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.contract import JobSpec
+from tests.jobs import uniform_job
 from whatif.scenarios import canonical_scenarios, count_canonical, sample_scenarios
 from whatif.trace import FAIL, REJOIN, TraceError, generate_trace, parse_duration, read_trace, write_trace
 
-STAGE = {
-    "forward": 1,
-    "backward_input": 1,
-    "backward_weight": 1,
-    "optimizer": 0,
-    "activation_mib": 1,
-    "weight_grad_mib": 1,
-}
-
 
 def job(d: int = 2, p: int = 3) -> JobSpec:
-    return JobSpec.model_validate(
-        dict(
-            name="t",
-            num_pipelines=d,
-            num_stages=p,
-            num_microbatches=2,
-            stages=[STAGE] * p,
-            comm={"activation_ms": 0, "cross_pipeline_ms": 0, "allreduce_ms": 0},
-        )
-    )
+    return uniform_job(d, p, 2, optimizer_ms=0.0, activation_mib=1.0, weight_grad_mib=1.0, name="t")
 
 
 def write(tmp_path: Path, text: str) -> Path:
