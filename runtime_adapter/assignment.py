@@ -1,0 +1,124 @@
+"""A worker's view of one schedule version: its order, the hosts it exchanges with, its stage's peers.
+
+Built either from a whole schedule document (schedule file) or from the service's per-worker answer
+(GET /v1/jobs/{id}/schedule?worker=d,s), so the lowering and the executor never care where it came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from planner.contract import Schedule
+
+Worker = tuple[int, int]
+MicroBatch = tuple[int, int]
+Op = tuple[str, MicroBatch | None]
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What worker [d, s] runs under schedule `version`."""
+
+    version: int
+    worker: Worker
+    num_pipelines: int
+    num_stages: int
+    num_microbatches: int
+    failed: frozenset[Worker]
+    actions: tuple[Op, ...]
+    prev_host: Mapping[MicroBatch, Worker | None] = field(default_factory=dict)
+    next_host: Mapping[MicroBatch, Worker | None] = field(default_factory=dict)
+    stage_alive: tuple[Worker, ...] = ()
+
+    @property
+    def alive(self) -> bool:
+        """Whether this worker has a place in the schedule."""
+        return self.worker not in self.failed
+
+    def alive_workers(self) -> list[Worker]:
+        """Every alive worker of the job, sorted: the ranks of this version's world group."""
+        return [
+            (d, s)
+            for d in range(self.num_pipelines)
+            for s in range(self.num_stages)
+            if (d, s) not in self.failed
+        ]
+
+    def hosted(self) -> list[MicroBatch]:
+        """The micro-batches this worker hosts at its stage, in the order of their F."""
+        return [mb for op, mb in self.actions if op == "F" and mb is not None]
+
+
+def _w(x: Any) -> Worker:
+    return (int(x[0]), int(x[1]))
+
+
+def assignment_from_schedule(
+    schedule: Schedule, version: int, worker: Worker, num_pipelines: int, num_microbatches: int
+) -> Assignment:
+    """The assignment of `worker` in a whole schedule document."""
+    num_stages = 1 + max(int(ws.worker[1]) for ws in schedule.workers)
+    hosts: dict[tuple[int, MicroBatch], Worker] = {}
+    orders: dict[Worker, list[Op]] = {}
+    for ws in schedule.workers:
+        w = _w(ws.worker)
+        orders[w] = [(a.op, None if a.mb is None else _w(a.mb)) for a in ws.actions]
+        for op, mb in orders[w]:
+            if op == "F" and mb is not None:
+                hosts[(w[1], mb)] = w
+    failed = frozenset(_w(f) for f in schedule.failed)
+    s = worker[1]
+    actions = tuple(orders.get(worker, []))
+    prev = {mb: hosts.get((s - 1, mb)) for op, mb in actions if op == "F" and mb is not None}
+    nxt = {mb: hosts.get((s + 1, mb)) for op, mb in actions if op == "F" and mb is not None}
+    return Assignment(
+        version=version,
+        worker=worker,
+        num_pipelines=num_pipelines,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        failed=failed,
+        actions=actions,
+        prev_host=prev,
+        next_host=nxt,
+        stage_alive=tuple(sorted(w for w in orders if w[1] == s)),
+    )
+
+
+def assignment_from_view(
+    view: Mapping[str, Any], num_pipelines: int, num_stages: int, num_microbatches: int
+) -> Assignment:
+    """The assignment in the service's per-worker answer (`routes`, `stage_alive`, `actions`)."""
+    prev: dict[MicroBatch, Worker | None] = {}
+    nxt: dict[MicroBatch, Worker | None] = {}
+    for r in view["routes"]:
+        mb = _w(r["mb"])
+        prev[mb] = None if r["prev_host"] is None else _w(r["prev_host"])
+        nxt[mb] = None if r["next_host"] is None else _w(r["next_host"])
+    actions = tuple((a["op"], None if a.get("mb") is None else _w(a["mb"])) for a in view["actions"])
+    return Assignment(
+        version=int(view["version"]),
+        worker=_w(view["worker"]),
+        num_pipelines=num_pipelines,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        failed=frozenset(_w(f) for f in view.get("failed", [])),
+        actions=actions,
+        prev_host=prev,
+        next_host=nxt,
+        stage_alive=tuple(sorted(_w(w) for w in view["stage_alive"])),
+    )
+
+
+def assignments_from_schedule(
+    schedule: Schedule, version: int, num_pipelines: int, num_microbatches: int
+) -> dict[Worker, Assignment]:
+    """Every alive worker's assignment (dry runs and tests)."""
+    return {
+        _w(ws.worker): assignment_from_schedule(
+            schedule, version, _w(ws.worker), num_pipelines, num_microbatches
+        )
+        for ws in schedule.workers
+    }

@@ -1,0 +1,305 @@
+"""Executor: runs one worker's lowered program, one iteration at a time.
+
+F keeps the stage input and output; B computes the input gradient only and keeps what W needs
+(torch.distributed.pipelining's stage_backward_input / stage_backward_weight); W accumulates the
+parameter gradients; OPT all-reduces the gradients with the alive peers of the stage (plus a count per
+micro-batch of the global batch, which must come back as exactly one) and steps the stage's own
+optimizer. No global barrier. The pre-step state of the last step is kept so that a failure can roll
+the stage back and replay the iteration (see worker.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runtime_adapter.assignment import Assignment, MicroBatch, Worker
+from runtime_adapter.autograd_split import stage_backward_input, stage_backward_weight
+from runtime_adapter.comm import Groups, Interrupted
+from runtime_adapter.lowering import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Instr, Program, lower
+from runtime_adapter.model import GPTConfig, StageModule, SyntheticData
+
+logger = logging.getLogger(__name__)
+
+FaultHook = Callable[[int, Instr], None]
+
+
+class ExactlyOnceError(RuntimeError):
+    """The all-reduced micro-batch counts of a stage are not all one."""
+
+
+@dataclass
+class IterationRecord:
+    """What one worker did in one iteration (accounting and timing)."""
+
+    iteration: int
+    version: int
+    hosted: list[MicroBatch]
+    op_ms: dict[str, float] = field(default_factory=dict)
+    wall_ms: float = 0.0
+
+
+class Executor:
+    """Holds one stage's module and optimizer and runs programs on them."""
+
+    def __init__(
+        self,
+        module: StageModule,
+        cfg: GPTConfig,
+        worker: Worker,
+        num_pipelines: int,
+        num_microbatches: int,
+        make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+        fault: FaultHook | None = None,
+    ) -> None:
+        self.module, self.cfg, self.worker = module, cfg, worker
+        self.num_pipelines, self.num_microbatches = num_pipelines, num_microbatches
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(self.params)
+        self.data = SyntheticData(cfg)
+        self.fault = fault
+        self.interrupted = threading.Event()
+        self._version_lock = threading.Lock()
+        self.version = 0
+        self.stepped = 0
+        self._snapshot: tuple[int, list[torch.Tensor], dict[str, Any]] | None = None
+        self.program: Program | None = None
+        self.groups: Groups | None = None
+
+    # -- verbs ----------------------------------------------------------------------------------------
+
+    def begin_version(self, version: int) -> None:
+        """From now on only a version above `version` interrupts (recovery for `version` starts)."""
+        with self._version_lock:
+            self.version = version
+            self.interrupted.clear()
+
+    def apply(self, assignment: Assignment, groups: Groups) -> Program:
+        """Switch to a schedule version (at a safe point: between iterations)."""
+        self.begin_version(assignment.version)
+        self.program, self.groups = lower(assignment), groups
+        return self.program
+
+    def interrupt(self, version: int) -> None:
+        """Version `version` exists: if it is newer than ours, stop at the next instruction or wait."""
+        with self._version_lock:
+            if version > self.version:
+                self.interrupted.set()
+
+    def run_iteration(self, iteration: int) -> IterationRecord:
+        """Run the current program once for `iteration`; raises Interrupted or a communication error."""
+        assert self.program is not None and self.groups is not None, "apply() a schedule first"
+        if iteration != self.stepped:
+            raise ValueError(f"iteration {iteration} requested but {self.stepped} iterations are stepped")
+        t0 = time.perf_counter()
+        rec = IterationRecord(iteration, self.program.version, [])
+        run = _IterationRun(self, iteration, rec)
+        try:
+            for ins in self.program.instrs:
+                if self.interrupted.is_set():
+                    raise Interrupted(f"interrupted before {ins}")
+                if self.fault is not None:
+                    self.fault(iteration, ins)
+                t = time.perf_counter()
+                run.step(ins)
+                rec.op_ms[ins.kind] = rec.op_ms.get(ins.kind, 0.0) + 1e3 * (time.perf_counter() - t)
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+        rec.wall_ms = 1e3 * (time.perf_counter() - t0)
+        return rec
+
+    def rollback_to(self, iteration: int) -> None:
+        """Return to the state after `iteration` steps (at most one step back)."""
+        if self.stepped == iteration:
+            return
+        snap = self._snapshot
+        if snap is None or self.stepped != iteration + 1 or snap[0] != iteration:
+            raise RuntimeError(f"cannot roll back from {self.stepped} to {iteration} stepped iterations")
+        with torch.no_grad():
+            for p, saved in zip(self.params, snap[1], strict=True):
+                p.copy_(saved)
+        self.optimizer.load_state_dict(snap[2])
+        self.stepped, self._snapshot = iteration, None
+        logger.info("rolled back to %d stepped iterations", iteration)
+
+    def state_bytes(self) -> bytes:
+        """Parameters and optimizer state, serialized (re-join from a peer)."""
+        buf = io.BytesIO()
+        torch.save({"model": self.module.state_dict(), "optim": self.optimizer.state_dict()}, buf)
+        return buf.getvalue()
+
+    def load_state_bytes(self, data: bytes, stepped: int) -> None:
+        """Adopt a peer's state, which has `stepped` iterations stepped."""
+        state = torch.load(io.BytesIO(data), weights_only=True)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self.stepped, self._snapshot = stepped, None
+
+    # -- OPT ------------------------------------------------------------------------------------------
+
+    def _opt(self, iteration: int, counts: torch.Tensor, sends: list[Any]) -> None:
+        groups = self.groups
+        assert groups is not None
+        for work in sends:
+            groups.waiter.wait(work, "a send")
+        sends.clear()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [counts])
+        groups.waiter.wait(groups.stage.allreduce([flat]), "the stage all-reduce")
+        reduced_counts = flat[-counts.numel() :]
+        if not bool(torch.all(reduced_counts == 1)):
+            bad = [i for i, c in enumerate(reduced_counts.tolist()) if c != 1]
+            raise ExactlyOnceError(f"stage {self.worker[1]} iteration {iteration}: counts {bad} are not 1")
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+        self._snapshot = (
+            iteration,
+            [p.detach().clone() for p in self.params],
+            copy.deepcopy(self.optimizer.state_dict()),
+        )
+        self.optimizer.step()
+        self.stepped = iteration + 1
+
+
+class _IterationRun:
+    """Per-iteration state of one program run: stage inputs/outputs, posted receives, pending sends."""
+
+    def __init__(self, ex: Executor, iteration: int, rec: IterationRecord) -> None:
+        self.ex, self.iteration, self.rec = ex, iteration, rec
+        self.module = ex.module
+        self.inputs: dict[MicroBatch, torch.Tensor] = {}
+        self.outputs: dict[MicroBatch, torch.Tensor] = {}
+        self.out_grads: dict[MicroBatch, torch.Tensor | None] = {}
+        self.in_grads: dict[MicroBatch, torch.Tensor | None] = {}
+        self.param_groups: dict[MicroBatch, list[dict[str, Any]]] = {}
+        self.sends: list[Any] = []
+        self.counts = torch.zeros(ex.num_pipelines * ex.num_microbatches)
+        self.scale = 1.0 / (ex.num_pipelines * ex.num_microbatches)
+        self.recvs: dict[tuple[str, MicroBatch], tuple[Any, torch.Tensor]] = {}
+        self._post_receives()
+
+    def _post_receives(self) -> None:
+        groups, cfg = self.ex.groups, self.ex.cfg
+        assert groups is not None and self.ex.program is not None
+        shape = (cfg.microbatch_size, cfg.seq_len, cfg.hidden)
+        for ins in self.ex.program.instrs:
+            if ins.kind in (RECV_ACT, RECV_GRAD):
+                assert ins.mb is not None and ins.peer is not None
+                buf = torch.empty(shape, device=groups.device)
+                work = groups.world.recv([buf], groups.world_rank[ins.peer], ins.tag)
+                self.recvs[(ins.kind, ins.mb)] = (work, buf)
+
+    def _received(self, ins: Instr) -> torch.Tensor:
+        assert ins.mb is not None and self.ex.groups is not None
+        work, buf = self.recvs.pop((ins.kind, ins.mb))
+        self.ex.groups.waiter.wait(work, f"{ins}")
+        return buf
+
+    def _send(self, ins: Instr, tensor: torch.Tensor) -> None:
+        groups = self.ex.groups
+        assert groups is not None and ins.peer is not None
+        self.sends.append(
+            groups.world.send([tensor.detach().contiguous()], groups.world_rank[ins.peer], ins.tag)
+        )
+
+    def step(self, ins: Instr) -> None:
+        """Execute one instruction."""
+        mb, kind = ins.mb, ins.kind
+        if kind == "OPT":
+            self.ex._opt(self.iteration, self.counts, self.sends)
+            return
+        assert mb is not None
+        if kind == RECV_ACT:
+            self.inputs[mb] = self._received(ins).requires_grad_()
+        elif kind == RECV_GRAD:
+            self.out_grads[mb] = self._received(ins)
+        elif kind == "F":
+            self._forward(mb)
+        elif kind == SEND_ACT:
+            self._send(ins, self.outputs[mb])
+        elif kind == "B":
+            self._backward_input(mb)
+        elif kind == SEND_GRAD:
+            grad = self.in_grads.pop(mb)
+            assert grad is not None, f"no input gradient for {mb}"
+            self._send(ins, grad)
+        elif kind == "W":
+            self._backward_weight(mb)
+        elif kind == "BW":
+            out, grad = self.outputs.pop(mb), self.out_grads.pop(mb, None)
+            inp = self.inputs.pop(mb, None)
+            torch.autograd.backward([out], None if grad is None else [grad])
+            if inp is not None:
+                self.in_grads[mb] = inp.grad
+            self._count(mb)
+        else:
+            raise ValueError(f"unknown instruction {ins}")
+
+    def _forward(self, mb: MicroBatch) -> None:
+        tokens, targets = self.ex.data.microbatch(self.iteration, *mb)
+        inp = tokens if self.module.is_first else self.inputs[mb]
+        out = self.module(inp, targets if self.module.is_last else None)
+        if self.module.is_last:
+            out = out * self.scale
+        self.outputs[mb] = out
+        self.rec.hosted.append(mb)
+
+    def _backward_input(self, mb: MicroBatch) -> None:
+        grad = self.out_grads.get(mb)
+        if self.module.is_first:
+            return  # no input gradient to compute: W runs the whole backward
+        out, inp = self.outputs[mb], self.inputs.pop(mb)
+        dinputs, groups = stage_backward_input(
+            [out], None if grad is None else [grad], [inp], iter(self.ex.params)
+        )
+        self.in_grads[mb], self.param_groups[mb] = dinputs[0], groups
+        self.out_grads.pop(mb, None)
+
+    def _backward_weight(self, mb: MicroBatch) -> None:
+        if self.module.is_first:
+            out, grad = self.outputs.pop(mb), self.out_grads.pop(mb, None)
+            torch.autograd.backward([out], None if grad is None else [grad])
+        else:
+            self.outputs.pop(mb)
+            stage_backward_weight(iter(self.ex.params), self.param_groups.pop(mb))
+        self._count(mb)
+
+    def _count(self, mb: MicroBatch) -> None:
+        self.counts[mb[0] * self.ex.num_microbatches + mb[1]] += 1
+
+
+def broadcast_bytes(groups: Groups, data: bytes | None, src_rank: int) -> bytes:
+    """Broadcast a byte string over the stage group from `src_rank` (state transfer on re-join)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src_rank
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    groups.waiter.wait(groups.stage.broadcast([size], opts), "state size broadcast")
+    payload = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data is not None
+        else torch.empty(int(size.item()), dtype=torch.uint8)
+    )
+    groups.waiter.wait(groups.stage.broadcast([payload], opts), "state broadcast")
+    return payload.numpy().tobytes()
+
+
+def allreduce_min(groups: Groups, values: list[int], on_stage: bool = False) -> list[int]:
+    """Element-wise minimum of `values` over the world (or stage) group."""
+    t = torch.tensor(values, dtype=torch.int64)
+    pg = groups.stage if on_stage else groups.world
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]
+    groups.waiter.wait(pg.allreduce([t], opts), "agreement all-reduce")
+    return [int(x) for x in t.tolist()]

@@ -1,0 +1,237 @@
+"""The worker loop: follow schedule versions, recover from failures without restarting survivors.
+
+On every new version (a failure, a re-join, a better plan) each alive worker:
+1. connects that version's groups (fresh store prefix);
+2. agrees with all alive workers on k = the minimum number of stepped iterations (a fresh re-joiner
+   counts as infinite): stages step at most one iteration apart, so every survivor is at k or k+1;
+3. rolls back to its pre-step state if it is at k+1 (the iteration in flight is then replayed whole:
+   no micro-batch is lost, none is counted twice, since the batches are a function of the iteration);
+4. if a stage has a fresh re-joiner, its lowest veteran peer broadcasts parameters and optimizer state;
+5. lowers its new order and runs iterations k, k+1, ... until the target, then a final all-reduce
+   (so that nobody leaves while a late failure could still need it to roll back).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runtime_adapter.assignment import Assignment, Worker
+from runtime_adapter.client import ScheduleClient, ScheduleSource
+from runtime_adapter.comm import Groups, Interrupted, build_groups
+from runtime_adapter.executor import Executor, allreduce_min, broadcast_bytes
+from runtime_adapter.lowering import Instr
+from runtime_adapter.model import GPTConfig, build_stage
+from runtime_adapter.reference import make_optimizer
+
+logger = logging.getLogger(__name__)
+
+FRESH = 1 << 40
+LOG_CONTEXT: dict[str, int] = {"v": 0, "it": 0}
+VERSION_WAIT = timedelta(seconds=float(os.environ.get("RECYCLE_VERSION_WAIT_S", "60")))
+STANDBY_WAIT = timedelta(seconds=float(os.environ.get("RECYCLE_STANDBY_WAIT_S", "600")))
+GROUP_TIMEOUT = timedelta(seconds=float(os.environ.get("RECYCLE_GROUP_TIMEOUT_S", "20")))
+
+
+@dataclass
+class WorkerOptions:
+    """Everything one worker process needs."""
+
+    worker: Worker
+    num_pipelines: int
+    num_stages: int
+    num_microbatches: int
+    num_iterations: int
+    cfg: GPTConfig
+    store_host: str
+    store_port: int
+    out_dir: Path
+    backend: str = "gloo"
+    rejoin: bool = False
+    fail_at: tuple[int, str] | None = None
+    standby_key: str | None = None
+
+
+def fault_hook(fail_at: tuple[int, str] | None) -> Any:
+    """A hook that kills this process (SIGKILL, no clean-up) before the first `phase` instruction of
+    its `it`-th iteration, counted from the first iteration this process runs (a re-joiner's start);
+    phase is F, B, W, BW or OPT (OPT: right before the gradient all-reduce)."""
+    if fail_at is None:
+        return None
+    it, phase = fail_at
+    first: list[int] = []
+
+    def hook(iteration: int, ins: Instr) -> None:
+        if not first:
+            first.append(iteration)
+        if iteration - first[0] == it and ins.kind == phase:
+            logger.warning("fault injection: SIGKILL at iteration %d before %s", iteration, ins)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def install_log_prefix(worker: Worker) -> None:
+    """Prefix every log line of this process with `[d,s v=<version> it=<iteration>]`."""
+
+    class _Prefix(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            record.msg = f"[{worker[0]},{worker[1]} v={LOG_CONTEXT['v']} it={LOG_CONTEXT['it']}] {record.msg}"
+            return True
+
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_Prefix())
+
+
+class WorkerProcess:
+    """State of one worker process across schedule versions."""
+
+    def __init__(self, opts: WorkerOptions, source: ScheduleSource) -> None:
+        self.opts = opts
+        module = build_stage(opts.cfg, opts.num_stages, opts.worker[1])
+        self.executor = Executor(
+            module,
+            opts.cfg,
+            opts.worker,
+            opts.num_pipelines,
+            opts.num_microbatches,
+            make_optimizer,
+            fault_hook(opts.fail_at),
+        )
+        self.client = ScheduleClient(source, on_new=lambda a: self.executor.interrupt(a.version))
+        self.store = dist.TCPStore(
+            opts.store_host, opts.store_port, is_master=False, timeout=GROUP_TIMEOUT, wait_for_workers=False
+        )
+        self.fresh = opts.rejoin
+        self.acct = (opts.out_dir / f"acct_{opts.worker[0]}_{opts.worker[1]}.jsonl").open("a")
+        self.old_groups: list[Groups] = []
+
+    def _log(self, record: dict[str, Any]) -> None:
+        self.acct.write(json.dumps(record) + "\n")
+        self.acct.flush()
+
+    def run(self) -> None:
+        """Train until `num_iterations` are stepped by every alive worker."""
+        version = 0
+        if self.opts.standby_key is not None:
+            logger.info("standby: waiting for %s", self.opts.standby_key)
+            self.store.wait([self.opts.standby_key], STANDBY_WAIT)
+            version = int(self.store.get(self.opts.standby_key)) - 1
+        self.client.start()
+        while True:
+            a = self.client.wait_newer(version, VERSION_WAIT)
+            if a is None:
+                raise TimeoutError(f"no schedule version above {version} within {VERSION_WAIT}")
+            version = LOG_CONTEXT["v"] = a.version
+            if not a.alive:
+                if self.fresh:
+                    continue  # a re-joiner waits for the version that includes it
+                logger.error("schedule v%d lists this worker as failed: leaving", a.version)
+                return
+            try:
+                self._recover(a)
+                self._train(a)
+                break
+            except Interrupted as e:
+                logger.info("v%d: %s", a.version, e)
+            except (RuntimeError, dist.DistError) as e:
+                logger.warning("v%d: communication failed (%s); waiting for a new version", a.version, e)
+        self._save()
+
+    def _recover(self, a: Assignment) -> None:
+        ex = self.executor
+        ex.begin_version(a.version)
+        groups = self._connect(a)
+        self.old_groups.append(groups)
+        mine = FRESH if self.fresh else ex.stepped
+        k = allreduce_min(groups, [mine])[0]
+        if not self.fresh and ex.stepped != k:
+            ex.rollback_to(k)
+            self._log({"event": "rollback", "to": k, "version": a.version})
+        # state transfer on the stage group: source = lowest-ranked veteran, if anyone is fresh
+        rank = groups.stage_rank[a.worker]
+        src, not_fresh = allreduce_min(groups, [FRESH if self.fresh else rank, 0 if self.fresh else 1], True)
+        if src >= FRESH:
+            raise RuntimeError(f"stage {a.worker[1]} has no veteran peer to copy state from")
+        if not_fresh == 0:
+            data = broadcast_bytes(groups, ex.state_bytes() if rank == src else None, src)
+            if self.fresh:
+                ex.load_state_bytes(data, k)
+                logger.info("re-joined: state copied from stage rank %d at %d stepped iterations", src, k)
+                self._log({"event": "rejoin", "stepped": k, "version": a.version})
+            self.fresh = False
+        ex.apply(a, groups)
+        latest = self.client.latest()
+        if latest is not None and latest.version > a.version:
+            raise Interrupted(f"v{latest.version} arrived during recovery")
+        logger.info("running v%d from iteration %d", a.version, k)
+
+    def _connect(self, a: Assignment) -> Groups:
+        """Build the groups of version `a` in a helper thread, giving up when a newer version arrives
+        (a member that skipped this version would otherwise keep everyone waiting until the timeout)."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def target() -> None:
+            try:
+                # A store client of its own: an abandoned attempt may still block in a store wait, and
+                # one client serializes its requests.
+                store = dist.TCPStore(
+                    self.opts.store_host,
+                    self.opts.store_port,
+                    is_master=False,
+                    timeout=GROUP_TIMEOUT,
+                    wait_for_workers=False,
+                )
+                box["groups"] = build_groups(
+                    store, a, self.executor.interrupted, self.opts.backend, GROUP_TIMEOUT
+                )
+            except BaseException as e:
+                box["error"] = e
+            done.set()
+
+        threading.Thread(target=target, name=f"recycle-connect-v{a.version}", daemon=True).start()
+        while not done.wait(0.005):
+            latest = self.client.latest()
+            if self.executor.interrupted.is_set() or (latest is not None and latest.version > a.version):
+                raise Interrupted(f"a version above v{a.version} arrived while connecting its groups")
+        if "error" in box:
+            raise box["error"]
+        return box["groups"]
+
+    def _train(self, a: Assignment) -> None:
+        ex = self.executor
+        while ex.stepped < self.opts.num_iterations:
+            LOG_CONTEXT["it"] = ex.stepped
+            rec = ex.run_iteration(ex.stepped)
+            self._log(
+                {
+                    "event": "step",
+                    "it": rec.iteration,
+                    "version": rec.version,
+                    "hosted": rec.hosted,
+                    "wall_ms": rec.wall_ms,
+                    "op_ms": rec.op_ms,
+                }
+            )
+        assert ex.groups is not None
+        done = allreduce_min(ex.groups, [ex.stepped])[0]
+        if done < self.opts.num_iterations:
+            raise RuntimeError(f"final check: some worker has only {done} stepped iterations")
+
+    def _save(self) -> None:
+        d, s = self.opts.worker
+        torch.save(self.executor.module.state_dict(), self.opts.out_dir / f"final_{d}_{s}.pt")
+        self._log({"event": "done", "stepped": self.executor.stepped})
+        self.acct.close()
+        self.client.stop()
