@@ -44,6 +44,7 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
 def cmd_worker(args: argparse.Namespace) -> int:
     from runtime_adapter.client import FileScheduleSource, HttpScheduleSource, ScheduleSource
     from runtime_adapter.model import GPTConfig
+
     """Run one worker until the job's iterations are done."""
     from runtime_adapter.worker import WorkerOptions, WorkerProcess, install_log_prefix
 
@@ -122,6 +123,7 @@ def schedule_file_name(failed: frozenset[Worker]) -> str:
 def cmd_launch(args: argparse.Namespace) -> int:
     from runtime_adapter.launch import Launcher, LaunchSpec
     from runtime_adapter.model import GPTConfig
+
     """Start the job, supervise it, print each worker's exit code."""
     job = JobSpec.model_validate_json(Path(args.job).read_text())
     spec = LaunchSpec(job, GPTConfig(**json.loads(args.model)), args.iterations, Path(args.out), args.backend)
