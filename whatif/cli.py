@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -267,7 +266,7 @@ def cmd_precompute(args: argparse.Namespace) -> int:
         num_workers=args.workers,
         use_cpsat=args.cpsat,
         time_limit=timedelta(seconds=args.time_limit),
-        progress=(not args.no_progress and sys.stderr.isatty()) or not args.no_progress,
+        progress=not args.no_progress,
     )
     saved = stats.saved_by_normalization / max(1, stats.physical_scenarios)
     if args.json:

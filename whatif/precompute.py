@@ -28,18 +28,27 @@ log = logging.getLogger(__name__)
 
 
 class ProgressBar:
-    """A one-line progress bar on a stream (stderr), redrawn in place; silent when disabled."""
+    """A one-line progress bar on a stream (stderr), silent when disabled. On a terminal it is redrawn
+    in place; otherwise (a log file, CI) it prints a plain line at every tenth of the work."""
 
     def __init__(self, total: int, label: str, stream: TextIO | None = None, enabled: bool = True) -> None:
         self.total, self.label, self.done = total, label, 0
         self.stream = stream or sys.stderr
         self.enabled = enabled and total > 0
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.t0 = time.perf_counter()
 
     def advance(self, n: int = 1, note: str = "") -> None:
         """Count `n` more items done and redraw."""
-        self.done += n
+        before, self.done = self.done, self.done + n
         if not self.enabled:
+            return
+        if not self.tty:
+            step = max(1, self.total // 10)
+            if self.done // step != before // step or self.done >= self.total:
+                elapsed = time.perf_counter() - self.t0
+                self.stream.write(f"{self.label}: {self.done}/{self.total} {elapsed:6.1f}s {note[:40]}\n")
+                self.stream.flush()
             return
         width = 30
         filled = int(width * self.done / self.total)
