@@ -16,9 +16,11 @@ def uniform_job(
     weight_grad_mib: float = 30.0,
     capacity_mib: float | None = None,
     allreduce_ms: float = 0.0,
+    activation_ms: float = 0.0,
+    cross_pipeline_ms: float = 0.0,
     name: str = "tiny",
 ) -> JobSpec:
-    """D pipelines x P stages x M micro-batches; F, B and W each take `op_ms`, hops are free."""
+    """D pipelines x P stages x M micro-batches; F, B and W each take `op_ms` (hops free by default)."""
     stage = {
         "forward": op_ms,
         "backward_input": op_ms,
@@ -34,7 +36,11 @@ def uniform_job(
             "num_stages": P,
             "num_microbatches": M,
             "stages": [stage] * P,
-            "comm": {"activation_ms": 0.0, "cross_pipeline_ms": 0.0, "allreduce_ms": allreduce_ms},
+            "comm": {
+                "activation_ms": activation_ms,
+                "cross_pipeline_ms": cross_pipeline_ms,
+                "allreduce_ms": allreduce_ms,
+            },
             "memory_capacity_mib": capacity_mib,
         }
     )

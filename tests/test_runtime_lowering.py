@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.contract import Comm, FailureScenario, JobSpec, Schedule, StageProfile
+from planner.contract import FailureScenario, JobSpec, Schedule
 from planner.plan import plan
 from runtime_adapter.assignment import (
     Assignment,
@@ -27,24 +27,21 @@ from runtime_adapter.lowering import (
     lower,
 )
 from runtime_adapter.model import GPTConfig, SyntheticData, build_stages, stage_layers
+from tests.jobs import uniform_job
 
 
 def job(d: int, p: int, m: int) -> JobSpec:
-    prof = StageProfile(
-        forward=1.0,
-        backward_input=1.0,
-        backward_weight=1.0,
-        optimizer=0.5,
+    return uniform_job(
+        d,
+        p,
+        m,
+        optimizer_ms=0.5,
         activation_mib=1.0,
         weight_grad_mib=1.0,
-    )
-    return JobSpec(
+        allreduce_ms=0.4,
+        activation_ms=0.05,
+        cross_pipeline_ms=0.2,
         name="t",
-        num_pipelines=d,
-        num_stages=p,
-        num_microbatches=m,
-        stages=[prof] * p,
-        comm=Comm(activation_ms=0.05, cross_pipeline_ms=0.2, allreduce_ms=0.4),
     )
 
 

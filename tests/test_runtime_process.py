@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner.contract import Comm, FailureScenario, JobSpec, Schedule, StageProfile
+from planner.contract import FailureScenario, JobSpec, Schedule
 from planner.plan import plan
 from runtime_adapter.assignment import Worker
 from runtime_adapter.launch import Launcher, LaunchSpec, publish
 from runtime_adapter.model import GPTConfig
 from runtime_adapter.reference import relative_error, train_reference
+from tests.jobs import uniform_job
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,21 +29,17 @@ TOL = 1e-5
 
 def tiny_job(num_pipelines: int, num_stages: int, num_microbatches: int = 4) -> JobSpec:
     """A job spec for the reference model (the profile only steers the planner's orders)."""
-    prof = StageProfile(
-        forward=1.0,
-        backward_input=1.0,
-        backward_weight=1.0,
-        optimizer=0.5,
+    return uniform_job(
+        num_pipelines,
+        num_stages,
+        num_microbatches,
+        optimizer_ms=0.5,
         activation_mib=1.0,
         weight_grad_mib=1.0,
-    )
-    return JobSpec(
+        allreduce_ms=0.4,
+        activation_ms=0.05,
+        cross_pipeline_ms=0.2,
         name=f"tiny-d{num_pipelines}p{num_stages}",
-        num_pipelines=num_pipelines,
-        num_stages=num_stages,
-        num_microbatches=num_microbatches,
-        stages=[prof] * num_stages,
-        comm=Comm(activation_ms=0.05, cross_pipeline_ms=0.2, allreduce_ms=0.4),
     )
 
 
