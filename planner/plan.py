@@ -169,11 +169,9 @@ def baseline_candidates(job: JobSpec, scenario: FailureScenario, problem: Proble
 def host_variants(job: JobSpec, scenario: FailureScenario) -> list[Problem]:
     """Balanced host maps that differ in which peers take the micro-batches that do not divide
     evenly: ascending pipelines, descending, and pipelines alive at the most failed stages first."""
-    failed_stages = {s for _, s in scenario.failed}
-    alive_count = {
-        d: sum(1 for s in failed_stages if (d, s) not in {tuple(w) for w in scenario.failed})
-        for d in range(job.num_pipelines)
-    }
+    failed = {(d, s) for d, s in scenario.failed}
+    failed_stages = {s for _, s in failed}
+    alive_count = {d: sum(1 for s in failed_stages if (d, s) not in failed) for d in range(job.num_pipelines)}
     prefs: list[list[int] | None] = [
         None,
         list(range(job.num_pipelines))[::-1],

@@ -119,18 +119,19 @@ class Problem:
         return comm.activation_ms if host_a == host_b else comm.cross_pipeline_ms
 
     def microbatches_on(self, d: int, s: int) -> list[MicroBatchId]:
-        """Micro-batches hosted by worker [d, s], in (m, d) order."""
-        return [
-            (dd, m)
-            for (ss, dd, m), h in sorted(self.host.items(), key=lambda kv: (kv[0][2], kv[0][1]))
-            if ss == s and h == d
-        ]
+        """Micro-batches hosted by worker [d, s], in (m, d) order (one pass over the host map:
+        callers that need every worker use `hosted_by_worker`)."""
+        return self.hosted_by_worker().get((d, s), [])
 
     def hosted_by_worker(self) -> dict[WorkerId, list[MicroBatchId]]:
         """Micro-batches hosted by every alive worker, each list in (m, d) order."""
         index: dict[WorkerId, list[MicroBatchId]] = {w: [] for w in self.workers()}
         for (s, d, m), h in self.host.items():
-            index[h, s].append((d, m))
+            hosted = index.get((h, s))
+            assert hosted is not None, (
+                f"micro-batch [{d}, {m}] at stage {s} is hosted by failed worker [{h}, {s}]"
+            )
+            hosted.append((d, m))
         for lst in index.values():
             lst.sort(key=lambda x: (x[1], x[0]))
         return index

@@ -29,20 +29,8 @@ if TYPE_CHECKING:
 
 
 def hosted_microbatches(problem: Problem) -> dict[WorkerId, list[MicroBatchId]]:
-    """Micro-batches each alive worker hosts, in micro-batch order (m, then d).
-
-    One pass over `problem.host` (Problem.microbatches_on rescans it per worker).
-    """
-    out: dict[WorkerId, list[MicroBatchId]] = {w: [] for w in problem.workers()}
-    for (s, d, m), h in problem.host.items():
-        hosted = out.get((h, s))
-        assert hosted is not None, (
-            f"micro-batch [{d}, {m}] at stage {s} is hosted by a failed worker [{h}, {s}]"
-        )
-        hosted.append((d, m))
-    for hosted in out.values():
-        hosted.sort(key=lambda mb: (mb[1], mb[0]))
-    return out
+    """Micro-batches each alive worker hosts, in micro-batch order (m, then d)."""
+    return problem.hosted_by_worker()
 
 
 def warmup_count(num_stages: int, stage: int, num_hosted: int) -> int:
