@@ -15,11 +15,13 @@ COPY api ./api
 COPY bench ./bench
 COPY runtime_adapter ./runtime_adapter
 COPY examples ./examples
+# Versions are pinned by pyproject.toml's ranges (the project itself is what is installed here).
+# hadolint ignore=DL3013
 RUN pip install ".[service]" \
     && useradd --system --uid 10001 recycle \
     && mkdir -p /data && chown recycle /data
 
-USER recycle
+USER 10001
 VOLUME ["/data"]
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \

@@ -14,12 +14,13 @@ COPY bench ./bench
 COPY runtime_adapter ./runtime_adapter
 COPY examples ./examples
 # The project itself with --no-deps keeps ortools and matplotlib out: a worker needs only the wire
-# schemas (pydantic), an HTTP client and torch (keep the torch pin equal to pyproject's `worker` extra).
-RUN pip install "pydantic>=2.6,<3" "httpx>=0.27" "torch==2.13.0" \
+# schemas (pydantic), an HTTP client and torch (keep the torch pin equal to pyproject's `worker` extra;
+# on x86_64 Linux PyPI's torch wheel is the CUDA build, which NCCL workers on GPUs need).
+RUN pip install "pydantic>=2.6,<2.15" "httpx>=0.27" "torch==2.13.0" \
     && pip install --no-deps . \
     && useradd --system --uid 10001 recycle
 
-USER recycle
+USER 10001
 # Run one worker of a job (see `python -m runtime_adapter.cli worker --help`), e.g.
 #   python -m runtime_adapter.cli worker --job JOB.json --pipeline 0 --stage 1 --service URL
 #       --job-id ID --token WORKER_TOKEN --store HOST:PORT --iterations 100 --out /tmp/out
