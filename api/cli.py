@@ -30,6 +30,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         default=75.0,
         help="idle keep-alive seconds for polling workers (default 75)",
     )
+    s.add_argument(
+        "--no-access-log",
+        action="store_true",
+        help="do not log every request (thousands of polling workers make that the busiest log)",
+    )
     s.set_defaults(func=cmd_serve)
 
 
@@ -61,6 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         workers=1,
         timeout_keep_alive=int(args.keep_alive),
         backlog=4096,
+        access_log=not args.no_access_log,
     )
     return 0
 

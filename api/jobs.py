@@ -16,13 +16,16 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
+import pydantic_core
 
 from api.errors import EventConflictError, JobNotFoundError
 from api.metrics import Metrics
 from api.models import EventIn, JobCreate
 from api.rules import apply_change, check_dimensions
 from api.settings import Settings
-from api.solver import Solver, from_canonical, raise_error
+from api.solver import Solver, raise_error, relabel_canonical
 from api.store import EventRecord, JobRecord, PlanRecord, Store, VersionRecord
 from api.views import VersionView
 from planner.contract import FailureScenario, JobSpec
@@ -64,6 +67,7 @@ class JobService:
     def __init__(self, settings: Settings, store: Store, solver: Solver, metrics: Metrics) -> None:
         self.settings, self.store, self.solver, self.metrics = settings, store, solver, metrics
         self.jobs: dict[str, JobRuntime] = {}
+        self._token_jobs: dict[str, str] = {}  # worker token hash -> job id (every poll authenticates)
         self._tasks: set[asyncio.Task[None]] = set()  # refinements (kept referenced until done)
 
     def load(self) -> list[JobRuntime]:
@@ -78,6 +82,7 @@ class JobService:
             if latest is not None:
                 rt.view = self._view(rt, latest)
             self.jobs[rec.id] = rt
+            self._token_jobs[rec.worker_token_hash] = rec.id
         self.metrics.jobs.set(len(self.jobs))
         return list(self.jobs.values())
 
@@ -95,8 +100,8 @@ class JobService:
         return rt
 
     def job_id_for_token(self, token: str) -> str | None:
-        """The job whose worker token this is, if any."""
-        return self.store.job_id_for_token_hash(hash_token(token))
+        """The job whose worker token this is, if any (from memory: every job of this process is loaded)."""
+        return self._token_jobs.get(hash_token(token))
 
     async def create(self, req: JobCreate) -> tuple[JobRuntime, str]:
         """Register a job, publish version 1 (failure-free plan); returns the runtime and worker token."""
@@ -119,6 +124,7 @@ class JobService:
         self.store.create_job(rec)
         rt = JobRuntime(record=rec, job=req.job, scenario=FailureScenario())
         self.jobs[rec.id] = rt
+        self._token_jobs[rec.worker_token_hash] = rec.id
         self.metrics.jobs.set(len(self.jobs))
         async with rt.lock:
             await self._install(rt, rt.scenario, event=None)
@@ -166,9 +172,10 @@ class JobService:
             except UnrecoverableScenarioError as exc:
                 assert rt.view is not None
                 rec.status_code = 409
-                prev = json.dumps(rt.view.schedule)
-                itime = rt.view.schedule["iteration_time_ms"]
-                self._commit_version(rt, scenario, exc.stages, prev, "needs_restore", itime, rec)
+                prev = rt.view.schedule
+                itime = prev["iteration_time_ms"]
+                prev_json = pydantic_core.to_json(prev).decode()
+                self._commit_version(rt, scenario, exc.stages, prev_json, "needs_restore", itime, rec, prev)
                 return json.loads(rec.result_json), exc.stages
             await self._install(rt, scenario, event=rec)
             return json.loads(rec.result_json), []
@@ -190,13 +197,13 @@ class JobService:
 
     async def _install(self, rt: JobRuntime, scenario: FailureScenario, event: EventRecord | None) -> None:
         """Pick a schedule for `scenario` and publish it as the next version (lock held by caller)."""
-        key = normalize(rt.job, scenario).key
-        plan = self.store.get_plan(key)
+        norm = normalize(rt.job, scenario)
+        plan = self.store.get_plan(norm.key)
+        schedule: dict[str, Any] | None = None
         if plan is not None:
             self.metrics.cache.inc(result="hit")
-            schedule_json = from_canonical(plan.schedule_json, rt.job, scenario).model_dump_json(
-                exclude_none=True
-            )
+            schedule = relabel_canonical(plan.schedule_json, norm, scenario)
+            schedule_json = pydantic_core.to_json(schedule).decode()  # ~4x faster than json.dumps
             source, itime = "precomputed", plan.iteration_time_ms
             refine = plan.source == "greedy"
         else:
@@ -210,7 +217,7 @@ class JobService:
             raise_error(out)
             self.store.put_plan(PlanRecord(out.key, out.canonical_json, "greedy", out.iteration_time_ms))
             schedule_json, source, itime, refine = out.physical_json, "greedy", out.iteration_time_ms, True
-        self._commit_version(rt, scenario, [], schedule_json, source, itime, event)
+        self._commit_version(rt, scenario, [], schedule_json, source, itime, event, schedule)
         if refine:
             task = asyncio.get_running_loop().create_task(self._refine(rt, scenario, rt.scenario_seq))
             self._tasks.add(task)
@@ -225,9 +232,12 @@ class JobService:
         source: str,
         itime: float,
         event: EventRecord | None,
+        schedule: dict[str, Any] | None = None,
     ) -> None:
         """Write the next version, the job's new scenario/state and the event that caused it in one
-        transaction; only then update the in-memory job and wake its long-polls."""
+        transaction; only then update the in-memory job and wake its long-polls.
+
+        `schedule` is `schedule_json` already parsed, when the caller has it (saves a parse)."""
         rec = rt.record
         state = "needs_restore" if lost_stages else "running"
         scenario_json = scenario.model_dump_json()
@@ -260,7 +270,8 @@ class JobService:
             lost_stages,
         )
         rec.version = ver.version
-        rt.view = VersionView(rec.id, ver.version, state, source, json.loads(schedule_json))
+        doc = json.loads(schedule_json) if schedule is None else schedule
+        rt.view = VersionView(rec.id, ver.version, state, source, doc)
         self.metrics.versions.inc()
         rt.changed.set()
         rt.changed = asyncio.Event()

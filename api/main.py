@@ -9,9 +9,11 @@ import logging
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
 from api.background import heartbeat_loop, precompute
 from api.errors import install_error_handlers
+from api.fastpoll import answer_poll
 from api.jobs import JobService
 from api.metrics import Metrics
 from api.middleware import BodyLimitMiddleware, TimingMiddleware
@@ -21,6 +23,15 @@ from api.solver import Solver
 from api.store import SQLiteStore
 
 log = logging.getLogger(__name__)
+
+
+class ServiceApp(FastAPI):
+    """FastAPI, with the schedule long-poll served first by api/fastpoll.py (the hot path)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and await answer_poll(self, scope, send):
+            return
+        await super().__call__(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -63,7 +74,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             solver.shutdown()
             store.close()
 
-    app = FastAPI(
+    app = ServiceApp(
         title="recycle planner service",
         version="1",
         description="Fault-tolerant pipeline schedules for job controllers and polling workers.",

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+import pydantic_core
 
 Worker = tuple[int, int]
 
 
 def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
+    return pydantic_core.to_json(obj)  # compact, UTF-8; several times faster than json.dumps
 
 
 @dataclass

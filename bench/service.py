@@ -5,10 +5,13 @@
 Starts the service on 127.0.0.1 (a free port, a temporary data directory), registers the job and
 waits for its precomputation, then measures:
   * immediate polls: GET schedule?worker=d,s that answer at once (latency p50/p99);
-  * fan-out: `--pollers` async httpx clients long-poll; a failure event is posted; the time from
-    posting to each poller holding the new version (p50/p99/max over all pollers and rounds);
+  * fan-out: `--pollers` async clients (httpx, or bare sockets with --client raw) long-poll; a
+    failure event is posted; the time from posting to each poller holding the new version
+    (p50/p99/max over all pollers and rounds);
   * event latency: POST of an event whose scenario was precomputed, until the new version is
-    committed and answered (p50/p99).
+    committed and answered (p50/p99);
+  * the service process's CPU per immediate poll and per event (POST + fan-out to every poller),
+    which, unlike the latencies, hardly moves with the machine's other load.
 Every loop is bounded in count and time; the server is stopped at the end. Loopback only.
 """
 
@@ -52,6 +55,19 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
+def server_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc; 0.0 elsewhere).
+
+    Load-independent companion of the latency figures: on a shared machine the wall-clock figures
+    move with other work, the service's own CPU per request much less.
+    """
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def start_server(data_dir: str, port: int) -> subprocess.Popen[bytes]:
     env = dict(os.environ, RECYCLE_CONTROLLER_TOKEN=TOKEN, PYTHONPATH=str(ROOT))
     env.setdefault("RECYCLE_PRECOMPUTE_TIME_LIMIT_S", "2")
@@ -65,6 +81,7 @@ def start_server(data_dir: str, port: int) -> subprocess.Popen[bytes]:
         data_dir,
         "--log-level",
         "warning",
+        "--no-access-log",
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     deadline = time.monotonic() + 60
@@ -81,6 +98,19 @@ def start_server(data_dir: str, port: int) -> subprocess.Popen[bytes]:
     raise SystemExit("server not ready within 60 s")
 
 
+async def raw_get(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, target: str, auth: str
+) -> tuple[bytes, bytes, float]:
+    """One GET over an open keep-alive stream: (status line and headers, body, when the head arrived)."""
+    writer.write(f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {auth}\r\n\r\n".encode())
+    head = await reader.readuntil(b"\r\n\r\n")
+    t = time.perf_counter()
+    length = next(
+        int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")
+    )
+    return head, await reader.readexactly(length), t
+
+
 async def immediate_polls(
     client: httpx.AsyncClient,
     url: str,
@@ -88,10 +118,28 @@ async def immediate_polls(
     n: int,
     concurrency: int,
     dims: tuple[int, int],
+    raw: bool = False,
 ) -> list[float]:
-    """n polls that answer at once (no after_version), `concurrency` in flight; latencies in seconds."""
+    """n polls that answer at once (no after_version), `concurrency` in flight; latencies in seconds.
+
+    With `raw`, each of the `concurrency` loops uses its own keep-alive socket (no client library)."""
     lat: list[float] = []
     sem = asyncio.Semaphore(concurrency)
+    if raw:
+        u = httpx.URL(url)
+
+        async def loop(k: int) -> None:
+            reader, writer = await asyncio.open_connection(u.host, u.port)
+            for i in range(k, n, concurrency):
+                t0 = time.perf_counter()
+                target = f"{u.path}?worker={i % dims[0]},{(i // dims[0]) % dims[1]}"
+                head, _, _ = await raw_get(reader, writer, target, worker["Authorization"])
+                lat.append(time.perf_counter() - t0)
+                assert head.startswith(b"HTTP/1.1 200"), head[:40]
+            writer.close()
+
+        await asyncio.gather(*(loop(k) for k in range(concurrency)))
+        return lat
 
     async def one(i: int) -> None:
         async with sem:
@@ -131,17 +179,9 @@ async def _poll_many(
     async def raw_poll(i: int) -> float:
         """The same poll over a bare asyncio stream: no client library cost in the figure."""
         u = httpx.URL(url)
-        query = f"worker={i % d_max},{(i // d_max) % p_max}&after_version={after}&wait=30"
+        target = f"{u.path}?worker={i % d_max},{(i // d_max) % p_max}&after_version={after}&wait=30"
         reader, writer = await asyncio.open_connection(u.host, u.port)
-        request = f"GET {u.path}?{query} HTTP/1.1\r\nHost: {u.host}\r\nAuthorization: Bearer {token}\r\n\r\n"
-        writer.write(request.encode())
-        await writer.drain()
-        head = await reader.readuntil(b"\r\n\r\n")
-        t = time.perf_counter()
-        length = next(
-            int(ln.split(b":")[1]) for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")
-        )
-        body = await reader.readexactly(length)
+        head, body, t = await raw_get(reader, writer, target, f"Bearer {token}")
         writer.close()
         assert head.startswith(b"HTTP/1.1 200") and json.loads(body)["version"] > after, head[:40]
         return t
@@ -188,12 +228,17 @@ async def fan_out_round(
             break
         await asyncio.sleep(0.1)
     worker = {"Authorization": f"Bearer {token}"}
-    immediate = await immediate_polls(client, url, worker, args.immediate, args.concurrency, dims)
+    cpu0 = server_cpu_s(args.server_pid)
+    raw = args.client == "raw"
+    immediate = await immediate_polls(client, url, worker, args.immediate, args.concurrency, dims, raw)
+    cpu1 = server_cpu_s(args.server_pid)
     t0 = time.perf_counter()
     r = await client.post(f"{base}/v1/jobs/{job_id}/events", json=event, headers=CTL)
     post_s = time.perf_counter() - t0
     assert r.status_code == 200, r.text
     done = await asyncio.wait_for(asyncio.gather(*futures), 90)
+    args.cpu["immediate_s"] += cpu1 - cpu0
+    args.cpu["fan_out_s"] += server_cpu_s(args.server_pid) - cpu1
     return [t - t0 for times in done for t in times], post_s, immediate
 
 
@@ -226,6 +271,13 @@ async def run(args: argparse.Namespace, base: str) -> dict[str, Any]:
                 lat, post_s, imm = await fan_out_round(client, pool, base, job_id, token, args, dims, event)
                 fan, immediate = fan + lat, immediate + imm
                 posts.append(post_s)
+        quiet: list[float] = []  # more POST samples than one per round: events with no poller waiting
+        for k in range(args.extra_events):
+            event = {"event_id": f"extra-{k}", "kind": "rejoin" if k % 2 else "fail", "workers": [[0, 1]]}
+            t0 = time.perf_counter()
+            r = await client.post(f"{base}/v1/jobs/{job_id}/events", json=event, headers=CTL)
+            quiet.append(time.perf_counter() - t0)
+            assert r.status_code == 200 and r.json()["source"] == "precomputed", r.text
         metrics = (await client.get(f"{base}/metrics")).text.splitlines()
         cache = [ln for ln in metrics if ln.startswith("recycle_plan_cache")]
     pool.shutdown()
@@ -238,6 +290,12 @@ async def run(args: argparse.Namespace, base: str) -> dict[str, Any]:
         "immediate_poll": summary(immediate),
         "fan_out_event_to_all_pollers": summary(fan),
         "precomputed_event_post": summary(posts),
+        "precomputed_event_post_no_pollers": summary(quiet) if quiet else None,
+        "server_cpu_ms": {  # of the service process (its solver pools are separate processes)
+            "per_immediate_poll": 1000 * args.cpu["immediate_s"] / max(1, len(immediate)),
+            "per_event_post_and_fan_out": 1000 * args.cpu["fan_out_s"] / max(1, len(posts)),
+        },
+        "load_average": os.getloadavg(),
         "cache": cache,
         "cpus": os.cpu_count(),
     }
@@ -262,12 +320,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="fail+rejoin rounds (<= 20)")
     p.add_argument("--immediate", type=int, default=500, help="immediate polls timed per event (<= 5000)")
     p.add_argument("--concurrency", type=int, default=4, help="immediate polls in flight (default 4)")
+    p.add_argument("--extra-events", type=int, default=40, help="events timed with no pollers (<= 200)")
     p.add_argument("--client-procs", type=int, default=2, help="processes the pollers are spread over")
     p.add_argument("--job", default=str(ROOT / "examples" / "gpt3-1.3b-p4d4.json"))
     p.add_argument("--precompute-timeout", type=float, default=120.0, help="seconds to wait for precompute")
     p.add_argument("--out", help="write the figures as JSON here")
     p.add_argument(
-        "--client", choices=["httpx", "raw"], default="httpx", help="pollers: httpx, or bare asyncio sockets"
+        "--client",
+        choices=["httpx", "raw"],
+        default="httpx",
+        help="clients (pollers and immediate polls): httpx, or bare asyncio sockets",
     )
     p.add_argument("--uvloop", action="store_true", help="run the clients on uvloop (if installed)")
     args = p.parse_args(argv)
@@ -276,11 +338,13 @@ def main(argv: list[str] | None = None) -> int:
         min(args.rounds, 20),
         min(args.immediate, 5000),
     )
+    args.extra_events = min(args.extra_events, 200)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     with tempfile.TemporaryDirectory() as data_dir:
         proc = start_server(data_dir, port)
+        args.server_pid, args.cpu = proc.pid, {"immediate_s": 0.0, "fan_out_s": 0.0}
         try:
             coro = asyncio.wait_for(run(args, f"http://127.0.0.1:{port}"), 600)
             figures = _run_loop(coro, args.uvloop)

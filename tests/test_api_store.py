@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -9,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.solver import enumerate_scenarios, from_canonical, to_canonical
+from api.solver import enumerate_scenarios, from_canonical, relabel_canonical, to_canonical
 from api.store import EventRecord, JobRecord, PlanRecord, SQLiteStore, VersionConflictError, VersionRecord
-from planner.contract import FailureScenario, JobSpec
+from planner.contract import FailureScenario, JobSpec, SlowWorker
 from planner.errors import UnrecoverableScenarioError
 from planner.normalize import normalize
 from planner.plan import plan
@@ -119,3 +120,30 @@ def test_canonical_plan_maps_onto_every_physical_scenario_with_its_key(
     report = validate(JOB, other, mapped)  # the referee accepts the relabelled plan
     assert report.iteration_time_ms == pytest.approx(result.iteration_time_ms, rel=1e-9)
     assert sorted(tuple(w) for w in mapped.failed) == sorted(tuple(w) for w in other.failed)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(workers, min_size=0, max_size=2, unique=True),
+    st.lists(st.tuples(workers, st.sampled_from([1.5, 2.0])), max_size=2, unique_by=lambda x: x[0]),
+    st.data(),
+)
+def test_event_path_relabel_equals_the_model_relabel(
+    failed: list[tuple[int, int]], slow: list[tuple[tuple[int, int], float]], data: st.DataObject
+) -> None:
+    """relabel_canonical (plain JSON, the event path) gives the document from_canonical gives."""
+    slow_workers = [SlowWorker(worker=w, factor=f) for w, f in slow if w not in failed]
+    scenario = FailureScenario(failed=sorted(failed), slow=slow_workers)
+    try:
+        scenario.check_against(JOB)
+    except UnrecoverableScenarioError:
+        return
+    result = plan(JOB, scenario, use_cpsat=False)
+    canonical = to_canonical(result.schedule, normalize(JOB, scenario)).model_dump_json(exclude_none=True)
+    perm = data.draw(st.permutations(range(3)))
+    other = FailureScenario(
+        failed=sorted((perm[d], s) for d, s in scenario.failed),
+        slow=[SlowWorker(worker=(perm[w.worker[0]], w.worker[1]), factor=w.factor) for w in scenario.slow],
+    )
+    reference = json.loads(from_canonical(canonical, JOB, other).model_dump_json(exclude_none=True))
+    assert relabel_canonical(canonical, normalize(JOB, other), other) == reference

@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Response
 
 from api.deps import ReaderDep, ServiceDep
-from api.jobs import JobRuntime
+from api.jobs import JobRuntime, JobService
 from api.models import ScheduleEnvelope, WorkerView
 from api.views import VersionView
 from planner.errors import InvalidInputError
@@ -32,7 +32,8 @@ def parse_worker(text: str, rt: JobRuntime) -> tuple[int, int]:
     return d, s
 
 
-def _etag_version(if_none_match: str | None) -> int:
+def etag_version(if_none_match: str | None) -> int:
+    """The version an If-None-Match header names ("7", W/"7"), 0 when none or not a version."""
     if not if_none_match:
         return 0
     text = if_none_match.strip().removeprefix("W/").strip('"')
@@ -73,7 +74,21 @@ async def get_schedule(
     """The current schedule version, at once if newer than after_version, else after up to `wait` s."""
     rt = service.get(job_id)
     w = None if worker is None else parse_worker(worker, rt)
-    after = max(after_version, _etag_version(if_none_match))
+    after = max(after_version, etag_version(if_none_match))
+    body, etag = await long_poll(service, rt, w, after, wait)
+    if body is None:
+        return Response(status_code=304, headers={"ETag": etag})
+    return Response(body, media_type="application/json", headers={"ETag": etag})
+
+
+async def long_poll(
+    service: JobService, rt: JobRuntime, w: tuple[int, int] | None, after: int, wait: float
+) -> tuple[bytes | None, str]:
+    """The poll itself (a heartbeat when `w` is given): (body, ETag), body None for a 304.
+
+    Shared by the route above and by api/fastpoll.py, which answers well-formed polls without
+    FastAPI's routing and dependency injection.
+    """
     wait_s = min(wait, service.settings.max_wait_s)
     if w is not None:
         rt.last_seen[w] = time.monotonic()
@@ -87,6 +102,5 @@ async def get_schedule(
             rt.polling[w] -= 1
             rt.last_seen[w] = time.monotonic()
     if view is None:
-        return Response(status_code=304, headers={"ETag": f'"{rt.version}"'})
-    body = view.full() if w is None else view.for_worker(w)
-    return Response(body, media_type="application/json", headers={"ETag": f'"{view.version}"'})
+        return None, f'"{rt.version}"'
+    return (view.full() if w is None else view.for_worker(w)), f'"{view.version}"'

@@ -1,0 +1,51 @@
+"""A solver process that dies answers 503 (SolverBusyError), and the pool is replaced, not left broken."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from api.errors import SolverBusyError
+from api.solver import Solver, raise_error, solve
+from planner.contract import FailureScenario
+from tests.test_api_service import JOB
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_killed_pool_process_gives_503_then_a_fresh_pool_serves() -> None:
+    async def scenario() -> None:
+        solver = Solver(1, 1)
+        solver.start()
+        try:
+            args = (JOB.model_dump_json(), FailureScenario().model_dump_json(), 1.0, False)
+            out = await solver.run(solver.whatif, *args)
+            assert out.error is None and out.iteration_time_ms > 0
+            broken = solver.whatif
+            for proc in list(getattr(broken, "_processes", {}).values()):
+                os.kill(proc.pid, signal.SIGKILL)
+            with pytest.raises(SolverBusyError, match="restarted"):
+                await solver.run(solver.whatif, *args)
+            assert solver.whatif is not broken
+            again = await solver.run(solver.whatif, *args)
+            assert again.error is None and again.iteration_time_ms == pytest.approx(out.iteration_time_ms)
+        finally:
+            solver.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_out_of_resources_in_the_planner_is_busy_not_a_bug(monkeypatch: pytest.MonkeyPatch) -> None:
+    import planner.plan
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise MemoryError("no room")
+
+    monkeypatch.setattr(planner.plan, "plan", boom)
+    out = solve(JOB.model_dump_json(), FailureScenario().model_dump_json(), 1.0, False)
+    assert out.error is not None and out.error[0] == "busy"
+    with pytest.raises(SolverBusyError, match="no room"):
+        raise_error(out)
