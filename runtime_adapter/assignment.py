@@ -31,6 +31,7 @@ class Assignment:
     prev_host: Mapping[MicroBatch, Worker | None] = field(default_factory=dict)
     next_host: Mapping[MicroBatch, Worker | None] = field(default_factory=dict)
     stage_alive: tuple[Worker, ...] = ()
+    state: str = "running"  # the job's state: "needs_restore" means a stage is lost, stop and restore
 
     @property
     def alive(self) -> bool:
@@ -109,6 +110,7 @@ def assignment_from_view(
         prev_host=prev,
         next_host=nxt,
         stage_alive=tuple(sorted(_w(w) for w in view["stage_alive"])),
+        state=str(view.get("state", "running")),
     )
 
 

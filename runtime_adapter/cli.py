@@ -38,7 +38,21 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--rejoin", action="store_true", help="fetch state from a peer instead of initialising")
     p.add_argument("--standby-key", help="warm standby: join once the launcher sets this store key")
     p.add_argument("--fail-at", help="fault injection: ITERATION:PHASE (F, B, W, BW, OPT) -> SIGKILL self")
+    add_checkpoint_args(p)
+    p.add_argument("--resume", action="store_true", help="start from the newest complete checkpoint")
+    p.add_argument("--pace-ms", type=float, default=0.0, help="make each iteration last at least this long")
     p.set_defaults(func=cmd_worker)
+
+
+def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    """--checkpoint-dir and --checkpoint-every (default $RECYCLE_CHECKPOINT_EVERY, else 0: none)."""
+    p.add_argument("--checkpoint-dir", help="directory of the periodic checkpoints (stage<s>/it<k>.pt)")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=int(os.environ.get("RECYCLE_CHECKPOINT_EVERY", "0")),
+        help="stepped iterations between checkpoints (default $RECYCLE_CHECKPOINT_EVERY or 0: none)",
+    )
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -70,6 +84,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         rejoin=args.rejoin,
         fail_at=fail_at,
         standby_key=args.standby_key,
+        checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        pace_ms=args.pace_ms,
     )
     source: ScheduleSource
     if args.schedule_file:
@@ -87,23 +105,29 @@ def cmd_worker(args: argparse.Namespace) -> int:
             job.num_stages,
             job.num_microbatches,
         )
-    WorkerProcess(opts, source).run()
+    code = WorkerProcess(opts, source).run()
     # Groups of older versions may still have a wait blocked in C++: leave without running their
     # destructors (which would abort the process after the work is done and saved).
     logging.shutdown()
     sys.stdout.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def add_launch_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """`recycle launch`: a whole D x P job on this machine."""
     p = sub.add_parser("launch", help="start D x P workers here; survivors keep going when one dies")
     p.add_argument("--job", required=True, help="job spec JSON")
-    p.add_argument(
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument(
         "--schedules",
-        required=True,
         help="directory of schedules named failed-none.json, failed-1.1.json, failed-0.2-1.1.json ...",
     )
+    src.add_argument("--service", help="planner service URL: register the job there and be its controller")
+    p.add_argument("--controller-token", help="controller token (default $RECYCLE_CONTROLLER_TOKEN)")
+    p.add_argument("--max-failures", type=int, default=1, help="with --service: failures to precompute")
+    p.add_argument("--heartbeat-timeout", type=float, help="with --service: silence that fails a worker (s)")
+    add_checkpoint_args(p)
+    p.add_argument("--pace-ms", type=float, default=0.0, help="make each iteration last at least this long")
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--model", default="{}", help="GPTConfig fields as JSON")
     p.add_argument("--out", required=True)
@@ -123,24 +147,107 @@ def schedule_file_name(failed: frozenset[Worker]) -> str:
 def cmd_launch(args: argparse.Namespace) -> int:
     from runtime_adapter.launch import Launcher, LaunchSpec
     from runtime_adapter.model import GPTConfig
+    from runtime_adapter.publishers import FilePublisher, Publisher, ServicePublisher
 
     """Start the job, supervise it, print each worker's exit code."""
     job = JobSpec.model_validate_json(Path(args.job).read_text())
-    spec = LaunchSpec(job, GPTConfig(**json.loads(args.model)), args.iterations, Path(args.out), args.backend)
+    spec = LaunchSpec(
+        job,
+        GPTConfig(**json.loads(args.model)),
+        args.iterations,
+        Path(args.out),
+        args.backend,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+        pace_ms=args.pace_ms,
+    )
     if args.dry_run:
-        print(spec.dry_run())
+        placeholders = ["--service", args.service, "--job-id", "<job id>", "--token", "<worker token>"]
+        print(spec.dry_run(source_args=placeholders if args.service else None))
         return 0
-    directory = Path(args.schedules)
+    publisher: Publisher
+    if args.service:
+        token = args.controller_token or os.environ.get("RECYCLE_CONTROLLER_TOKEN")
+        if not token:
+            print(
+                "recycle launch: --service needs --controller-token or RECYCLE_CONTROLLER_TOKEN",
+                file=sys.stderr,
+            )
+            return 2
+        publisher = ServicePublisher(
+            args.service, token, job, args.max_failures, heartbeat_timeout_s=args.heartbeat_timeout
+        )
+    else:
+        directory = Path(args.schedules)
 
-    def schedule_for(failed: frozenset[Worker]) -> Schedule:
-        return Schedule.model_validate_json((directory / schedule_file_name(failed)).read_text())
+        def schedule_for(failed: frozenset[Worker]) -> Schedule:
+            return Schedule.model_validate_json((directory / schedule_file_name(failed)).read_text())
 
-    launcher = Launcher(spec, schedule_for)
+        publisher = FilePublisher(spec.out_dir / "schedule.json", job, schedule_for)
+    launcher = Launcher(spec, publisher=publisher)
     launcher.start()
     codes = launcher.wait(timedelta(seconds=args.timeout))
     for w, rc in sorted(codes.items()):
         print(f"worker {list(w)}: exit {rc}")
     return 0 if all(rc == 0 for w, rc in codes.items() if w not in launcher.failed) else 1
+
+
+def add_profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`recycle profile`: measure the stages of the reference model here and write a job spec."""
+    p = sub.add_parser("profile", help="measure per-stage F/B/W/OPT times and memory; write a job spec")
+    p.add_argument("--model", default="{}", help="GPTConfig fields as JSON")
+    p.add_argument("--stages", type=int, required=True, help="P, pipeline stages")
+    p.add_argument("--pipelines", type=int, default=1, help="D, data-parallel pipelines")
+    p.add_argument("--microbatches", type=int, default=4, help="M, micro-batches per pipeline")
+    p.add_argument(
+        "--memory-gib",
+        type=float,
+        help="memory_capacity_mib per worker, in GiB (default: this machine's RAM / (D*P))",
+    )
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per op (median), after 2 warm-ups")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (workers run with 1)")
+    p.add_argument("-o", "--out", help="write the job spec here (default: stdout only shows the table)")
+    p.add_argument("--name", help="job name (default: gpt-d<D>p<P>m<M>)")
+    p.set_defaults(func=cmd_profile)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Profile every stage, print a per-stage table (progress on stderr), write the job spec."""
+    from runtime_adapter.model import GPTConfig
+    from runtime_adapter.profile import format_table, job_spec_from_profile, measure_comm, profile_stages
+
+    def fail(msg: str) -> int:
+        print(f"recycle profile: {msg}", file=sys.stderr)
+        return 2
+
+    try:
+        cfg = GPTConfig(**json.loads(args.model))
+    except (TypeError, ValueError) as e:
+        return fail(f"bad --model: {e}")
+    D, P, M = args.pipelines, args.stages, args.microbatches
+    if min(D, P, M, args.repeats, args.threads) < 1:
+        return fail("--stages, --pipelines, --microbatches, --repeats and --threads must be at least 1")
+    if cfg.num_layers < P:
+        return fail(f"--stages {P} is more than the model's {cfg.num_layers} layers (one block per stage)")
+    if args.memory_gib is not None and args.memory_gib <= 0:
+        return fail(f"--memory-gib must be positive, not {args.memory_gib}")
+    if args.memory_gib is not None:
+        capacity = args.memory_gib * 1024.0
+    else:
+        capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / float(1 << 20) / (D * P)
+
+    def progress(msg: str) -> None:
+        print(msg, file=sys.stderr)
+
+    stages = profile_stages(cfg, P, D, M, repeats=args.repeats, threads=args.threads, progress=progress)
+    progress("measuring the activation hop and the stage all-reduces (gloo, loopback)")
+    comm = measure_comm(cfg, stages, D, M, args.repeats)
+    job = job_spec_from_profile(args.name or f"gpt-d{D}p{P}m{M}", stages, comm, D, M, capacity)
+    print(format_table(stages, comm))
+    if args.out:
+        Path(args.out).write_text(job.model_dump_json(indent=2) + "\n")
+        print(f"job spec written to {args.out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     add_worker_parser(sub)
     add_launch_parser(sub)
+    add_profile_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     return int(args.func(args))

@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
@@ -30,7 +31,11 @@ MAX_BACKOFF = timedelta(seconds=float(os.environ.get("RECYCLE_MAX_BACKOFF_S", "2
 
 
 class SourceUnavailable(Exception):
-    """The schedule source cannot be reached or answered garbage."""
+    """The schedule source cannot be reached or answered garbage (retried with backoff)."""
+
+
+class SourceRejected(Exception):
+    """The source refused this worker for good (HTTP 401, 403, 404, other 4xx): retrying cannot help."""
 
 
 class ScheduleSource(Protocol):
@@ -62,9 +67,10 @@ class FileScheduleSource:
                 raise SourceUnavailable(f"{self.path}: {e}") from e
             if int(doc["version"]) > after_version:
                 schedule = Schedule.model_validate(doc["schedule"])
-                return assignment_from_schedule(
+                a = assignment_from_schedule(
                     schedule, int(doc["version"]), self.worker, self.num_pipelines, self.num_microbatches
                 )
+                return replace(a, state=str(doc.get("state", "running")))
             if time.monotonic() >= deadline:
                 return None
             time.sleep(self.poll_s)
@@ -103,10 +109,24 @@ class HttpScheduleSource:
         except urllib.error.HTTPError as e:
             if e.code == 304:
                 return None
-            raise SourceUnavailable(f"{url}: HTTP {e.code}") from e
+            detail = _detail(e)
+            if 400 <= e.code < 500 and e.code not in RETRIED_4XX:
+                raise SourceRejected(f"{url}: HTTP {e.code} {detail}") from e
+            raise SourceUnavailable(f"{url}: HTTP {e.code} {detail}") from e
         except (OSError, ValueError) as e:
             raise SourceUnavailable(f"{url}: {e}") from e
         return assignment_from_view(view, *self.dims)
+
+
+RETRIED_4XX = (408, 425, 429)
+
+
+def _detail(e: urllib.error.HTTPError) -> str:
+    """The `detail` of an error answer, if it has one (for the log)."""
+    try:
+        return str(json.loads(e.read()).get("detail", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
 
 
 class ScheduleClient:
@@ -116,10 +136,12 @@ class ScheduleClient:
         self,
         source: ScheduleSource,
         on_new: Callable[[Assignment], None] | None = None,
+        on_error: Callable[[SourceRejected], None] | None = None,
         poll_wait: timedelta = POLL_WAIT,
         max_backoff: timedelta = MAX_BACKOFF,
     ) -> None:
-        self.source, self.on_new = source, on_new
+        self.source, self.on_new, self.on_error = source, on_new, on_error
+        self.error: SourceRejected | None = None
         self.poll_wait, self.max_backoff = poll_wait, max_backoff
         self._latest: Assignment | None = None
         self._cond = threading.Condition()
@@ -146,10 +168,13 @@ class ScheduleClient:
         return self.latest()
 
     def wait_newer(self, version: int, timeout: timedelta) -> Assignment | None:
-        """The newest assignment once its version is above `version`, or None after `timeout`."""
+        """The newest assignment once its version is above `version`, or None after `timeout`.
+        Raises SourceRejected once the source has refused this worker."""
         deadline = time.monotonic() + timeout.total_seconds()
         with self._cond:
             while self._latest is None or self._latest.version <= version:
+                if self.error is not None:
+                    raise self.error
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
@@ -162,6 +187,14 @@ class ScheduleClient:
             current = self._latest.version if self._latest is not None else 0
             try:
                 got = self.source.fetch(current, self.poll_wait)
+            except SourceRejected as e:
+                logger.error("schedule source refused this worker, stopping: %s", e)
+                with self._cond:
+                    self.error = e
+                    self._cond.notify_all()
+                if self.on_error is not None:
+                    self.on_error(e)
+                return
             except SourceUnavailable as e:
                 if self.unreachable_since is None:
                     self.unreachable_since = time.monotonic()
@@ -178,6 +211,8 @@ class ScheduleClient:
             with self._cond:
                 self._latest = got
                 self._cond.notify_all()
-            logger.info("schedule v%d received (failed %s)", got.version, sorted(got.failed))
+            logger.info(
+                "schedule v%d received (state %s, failed %s)", got.version, got.state, sorted(got.failed)
+            )
             if self.on_new is not None:
                 self.on_new(got)

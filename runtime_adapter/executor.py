@@ -139,7 +139,10 @@ class Executor:
 
     def load_state_bytes(self, data: bytes, stepped: int) -> None:
         """Adopt a peer's state, which has `stepped` iterations stepped."""
-        state = torch.load(io.BytesIO(data), weights_only=True)
+        self.load_state(torch.load(io.BytesIO(data), weights_only=True), stepped)
+
+    def load_state(self, state: dict[str, Any], stepped: int) -> None:
+        """Adopt {"model", "optim"} (a peer's state or a checkpoint) with `stepped` iterations stepped."""
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
         self.stepped, self._snapshot = stepped, None

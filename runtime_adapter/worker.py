@@ -9,6 +9,11 @@ On every new version (a failure, a re-join, a better plan) each alive worker:
 4. if a stage has a fresh re-joiner, its lowest veteran peer broadcasts parameters and optimizer state;
 5. lowers its new order and runs iterations k, k+1, ... until the target, then a final all-reduce
    (so that nobody leaves while a late failure could still need it to roll back).
+
+A version whose job state is `needs_restore` (a whole stage lost) ends the process with
+EXIT_NEEDS_RESTORE: the launcher restarts every worker with `resume` from the newest complete
+checkpoint (checkpoint.py), which the lowest alive worker of each stage writes every
+`checkpoint_every` stepped iterations.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -26,8 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from runtime_adapter import checkpoint
 from runtime_adapter.assignment import Assignment, Worker
-from runtime_adapter.client import ScheduleClient, ScheduleSource
+from runtime_adapter.client import ScheduleClient, ScheduleSource, SourceRejected
 from runtime_adapter.comm import Groups, Interrupted, build_groups
 from runtime_adapter.executor import Executor, allreduce_min, broadcast_bytes
 from runtime_adapter.lowering import Instr
@@ -41,6 +48,10 @@ LOG_CONTEXT: dict[str, int] = {"v": 0, "it": 0}
 VERSION_WAIT = timedelta(seconds=float(os.environ.get("RECYCLE_VERSION_WAIT_S", "60")))
 STANDBY_WAIT = timedelta(seconds=float(os.environ.get("RECYCLE_STANDBY_WAIT_S", "600")))
 GROUP_TIMEOUT = timedelta(seconds=float(os.environ.get("RECYCLE_GROUP_TIMEOUT_S", "20")))
+
+EXIT_NEEDS_RESTORE = 3  # the job lost a whole stage: restart every worker from a checkpoint
+EXIT_DROPPED = 4  # the schedule lists this (alive) worker as failed
+EXIT_REJECTED = 5  # the schedule source refused this worker (401/403/404): retrying cannot help
 
 
 @dataclass
@@ -60,6 +71,10 @@ class WorkerOptions:
     rejoin: bool = False
     fail_at: tuple[int, str] | None = None
     standby_key: str | None = None
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0  # stepped iterations between checkpoints; 0: none
+    resume: bool = False  # start from the newest complete checkpoint in checkpoint_dir
+    pace_ms: float = 0.0  # sleep so that an iteration takes at least this long (tests, demos)
 
 
 def fault_hook(fail_at: tuple[int, str] | None) -> Any:
@@ -108,7 +123,11 @@ class WorkerProcess:
             make_optimizer,
             fault_hook(opts.fail_at),
         )
-        self.client = ScheduleClient(source, on_new=lambda a: self.executor.interrupt(a.version))
+        self.client = ScheduleClient(
+            source,
+            on_new=lambda a: self.executor.interrupt(a.version),
+            on_error=lambda _: self.executor.interrupt(FRESH),
+        )
         self.store = dist.TCPStore(
             opts.store_host, opts.store_port, is_master=False, timeout=GROUP_TIMEOUT, wait_for_workers=False
         )
@@ -120,9 +139,35 @@ class WorkerProcess:
         self.acct.write(json.dumps(record) + "\n")
         self.acct.flush()
 
-    def run(self) -> None:
-        """Train until `num_iterations` are stepped by every alive worker."""
+    def resume(self) -> int | None:
+        """Load this stage's part of the newest complete checkpoint; its stepped count (None: none)."""
+        directory, stage = self.opts.checkpoint_dir, self.opts.worker[1]
+        if directory is None:
+            return None
+        k = checkpoint.latest_complete(directory, self.opts.num_stages)
+        if k is None:
+            logger.warning("no complete checkpoint in %s: starting from scratch", directory)
+            return None
+        self.executor.load_state(checkpoint.load_stage(directory, stage, k), k)
+        logger.info("resumed from the checkpoint at %d stepped iterations", k)
+        self._log({"event": "resume", "stepped": k})
+        return k
+
+    def run(self) -> int:
+        """Train until `num_iterations` are stepped by every alive worker; the process exit code
+        (0 done, EXIT_NEEDS_RESTORE, EXIT_DROPPED, EXIT_REJECTED)."""
+        try:
+            return self._run()
+        except SourceRejected as e:
+            logger.error("stopping: %s", e)
+            return EXIT_REJECTED
+        finally:
+            self.client.stop()
+
+    def _run(self) -> int:
         version = 0
+        if self.opts.resume:
+            self.resume()
         if self.opts.standby_key is not None:
             logger.info("standby: waiting for %s", self.opts.standby_key)
             self.store.wait([self.opts.standby_key], STANDBY_WAIT)
@@ -133,11 +178,14 @@ class WorkerProcess:
             if a is None:
                 raise TimeoutError(f"no schedule version above {version} within {VERSION_WAIT}")
             version = LOG_CONTEXT["v"] = a.version
+            if a.state == "needs_restore":
+                logger.error("schedule v%d: the job needs a restore from a checkpoint: stopping", a.version)
+                return EXIT_NEEDS_RESTORE
             if not a.alive:
                 if self.fresh:
                     continue  # a re-joiner waits for the version that includes it
                 logger.error("schedule v%d lists this worker as failed: leaving", a.version)
-                return
+                return EXIT_DROPPED
             try:
                 self._recover(a)
                 self._train(a)
@@ -147,6 +195,7 @@ class WorkerProcess:
             except (RuntimeError, dist.DistError) as e:
                 logger.warning("v%d: communication failed (%s); waiting for a new version", a.version, e)
         self._save()
+        return 0
 
     def _recover(self, a: Assignment) -> None:
         ex = self.executor
@@ -213,7 +262,12 @@ class WorkerProcess:
         ex = self.executor
         while ex.stepped < self.opts.num_iterations:
             LOG_CONTEXT["it"] = ex.stepped
+            t0 = time.monotonic()
             rec = ex.run_iteration(ex.stepped)
+            self._maybe_checkpoint(a)
+            pause = self.opts.pace_ms / 1e3 - (time.monotonic() - t0)
+            if pause > 0:
+                time.sleep(pause)
             self._log(
                 {
                     "event": "step",
@@ -229,9 +283,20 @@ class WorkerProcess:
         if done < self.opts.num_iterations:
             raise RuntimeError(f"final check: some worker has only {done} stepped iterations")
 
+    def _maybe_checkpoint(self, a: Assignment) -> None:
+        """Every `checkpoint_every` stepped iterations the lowest alive worker of the stage writes it
+        (its peers hold bitwise-equal state, so one copy per stage suffices)."""
+        every, directory, ex = self.opts.checkpoint_every, self.opts.checkpoint_dir, self.executor
+        if every <= 0 or directory is None or ex.stepped % every or not a.stage_alive:
+            return
+        if a.stage_alive[0] != self.opts.worker:
+            return
+        stage = self.opts.worker[1]
+        checkpoint.save_stage(directory, stage, ex.stepped, ex.module.state_dict(), ex.optimizer.state_dict())
+        self._log({"event": "checkpoint", "stepped": ex.stepped, "version": a.version})
+
     def _save(self) -> None:
         d, s = self.opts.worker
         torch.save(self.executor.module.state_dict(), self.opts.out_dir / f"final_{d}_{s}.pt")
         self._log({"event": "done", "stepped": self.executor.stepped})
         self.acct.close()
-        self.client.stop()

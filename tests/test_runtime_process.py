@@ -5,6 +5,7 @@ Schedules come from the planner here, in the test: the runtime adapter itself ne
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from datetime import timedelta
@@ -87,8 +88,22 @@ def assert_exactly_once(out: Path, job: JobSpec, num_iterations: int) -> None:
             assert sorted(hosts[(s, it)]) == everything, f"stage {s} iteration {it}: {sorted(hosts[(s, it)])}"
 
 
+@functools.lru_cache(maxsize=8)
+def reference(
+    num_pipelines: int, num_stages: int, num_microbatches: int, num_iterations: int
+) -> list[dict[str, torch.Tensor]]:
+    """Single-process training, on one thread: the tiny model gains nothing from more, and on a busy
+    2-core machine OpenMP threads spin (measured 10x slower with 2 threads at load average 6)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train_reference(CFG, num_pipelines, num_stages, num_microbatches, num_iterations)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def assert_matches_reference(out: Path, job: JobSpec, num_iterations: int, workers: list[Worker]) -> None:
-    ref = train_reference(CFG, job.num_pipelines, job.num_stages, job.num_microbatches, num_iterations)
+    ref = reference(job.num_pipelines, job.num_stages, job.num_microbatches, num_iterations)
     for d, s in workers:
         got = torch.load(out / f"final_{d}_{s}.pt")
         err = relative_error(got, ref[s])
