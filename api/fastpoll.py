@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl
 
 from fastapi import HTTPException
-from starlette.types import Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from api.deps import authenticate
 from api.routes.schedule import etag_version, long_poll
@@ -66,7 +66,7 @@ def _query(scope: Scope) -> dict[str, str] | None:
     return params
 
 
-async def answer_poll(app: FastAPI, scope: Scope, send: Send) -> bool:
+async def answer_poll(app: FastAPI, scope: Scope, receive: Receive, send: Send) -> bool:
     """Serve `scope` if it is a plain, authorized schedule poll; False (nothing sent) otherwise."""
     if scope["method"] != "GET":
         return False
@@ -100,7 +100,7 @@ async def answer_poll(app: FastAPI, scope: Scope, send: Send) -> bool:
         w = (d, s)
     inm = headers.get(b"if-none-match")
     after = max(int(params.get("after_version", "0")), etag_version(None if inm is None else inm.decode()))
-    body, etag = await long_poll(service, rt, w, after, float(params.get("wait", "0")))
+    body, etag = await long_poll(service, rt, w, after, float(params.get("wait", "0")), receive)
     raw: list[tuple[bytes, bytes]] = [(b"etag", etag.encode())]
     if body is not None:
         raw += [(b"content-length", b"%d" % len(body)), (b"content-type", b"application/json")]

@@ -29,7 +29,7 @@ class ServiceApp(FastAPI):
     """FastAPI, with the schedule long-poll served first by api/fastpoll.py (the hot path)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and await answer_poll(self, scope, send):
+        if scope["type"] == "http" and await answer_poll(self, scope, receive, send):
             return
         await super().__call__(scope, receive, send)
 

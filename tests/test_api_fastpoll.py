@@ -33,7 +33,7 @@ def dual(app: FastAPI) -> Any:
             await FastAPI.__call__(app, scope, receive, send)
             return
         if scope["type"] == "http":
-            served = await answer_poll(app, scope, send)
+            served = await answer_poll(app, scope, receive, send)
             SERVED.append(served)
             if served:
                 return

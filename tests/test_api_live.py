@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -134,6 +135,71 @@ def test_concurrent_events_serialize_into_consecutive_versions(tmp_path: Path) -
                 assert set(map(tuple, by_version[i - 1]["failed"])) < set(map(tuple, a["failed"]))
         doc = httpx.get(f"{base}/v1/jobs/{job_id}", headers=CTL).json()
         assert doc["version"] == 1 + len(failures) and sorted(doc["failed"]) == sorted(failures)
+
+
+class RawPoller(threading.Thread):
+    """A worker's poll loop on one keep-alive socket; `die()` closes the socket as a killed process's
+    kernel would. `query_extra` changes the spelling (a repeated parameter goes through the route)."""
+
+    def __init__(self, port: int, job_id: str, token: str, worker: str, query_extra: str = "") -> None:
+        super().__init__(daemon=True)
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.job_id, self.token, self.worker, self.extra = job_id, token, worker, query_extra
+        self.version = 0
+
+    def run(self) -> None:
+        buf = b""
+        try:
+            while True:
+                path = f"/v1/jobs/{self.job_id}/schedule?worker={self.worker}&after_version={self.version}"
+                auth = f"Authorization: Bearer {self.token}"
+                self.sock.sendall(
+                    f"GET {path}&wait=30{self.extra} HTTP/1.1\r\nHost: x\r\n{auth}\r\n\r\n".encode()
+                )
+                while b"\r\n\r\n" not in buf:
+                    chunk = self.sock.recv(65536)
+                    if not chunk:
+                        return
+                    buf += chunk
+                head, buf = buf.split(b"\r\n\r\n", 1)
+                fields = dict(ln.split(": ", 1) for ln in head.decode().split("\r\n")[1:])
+                fields = {k.lower(): v for k, v in fields.items()}
+                size = int(fields.get("content-length", "0"))
+                while len(buf) < size:
+                    buf += self.sock.recv(65536)
+                buf = buf[size:]
+                self.version = int(fields["etag"].strip('"'))
+        except OSError:
+            return
+
+    def die(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+@pytest.mark.parametrize("extra", ["", "&wait=30"], ids=["fast-path", "route"])
+def test_worker_that_dies_mid_poll_is_failed_after_the_timeout_not_the_wait(
+    tmp_path: Path, extra: str
+) -> None:
+    """A long-poll counts as a heartbeat while its connection is open; when the worker dies its kernel
+    closes the socket, and the heartbeat timeout runs from then, not from the end of its 30 s wait."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with server(tmp_path, port, RECYCLE_HEARTBEAT_CHECK_S="0.1"):
+        r = httpx.post(
+            f"{base}/v1/jobs", json={"job": JOB, "heartbeat_timeout_s": 1.0}, headers=CTL, timeout=30
+        )
+        job_id, token = r.json()["id"], r.json()["worker_token"]
+        poller = RawPoller(port, job_id, token, "1,1", extra)
+        poller.start()
+        time.sleep(3.0)  # three timeouts: an open poll keeps the worker alive
+        assert httpx.get(f"{base}/v1/jobs/{job_id}", headers=CTL).json()["failed"] == []
+        assert poller.is_alive() and poller.version >= 1
+        poller.die()
+        t0 = time.monotonic()
+        while httpx.get(f"{base}/v1/jobs/{job_id}", headers=CTL).json()["failed"] != [[1, 1]]:
+            assert time.monotonic() - t0 < 10, "dead poller not declared failed within 10 s"
+            time.sleep(0.1)
 
 
 def test_kill_9_mid_traffic_then_restart_keeps_every_job_and_version(tmp_path: Path) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated
+from asyncio import FIRST_COMPLETED
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query, Response
+from fastapi import APIRouter, Header, Query, Request, Response
+from starlette.types import Receive
 
 from api.deps import ReaderDep, ServiceDep
 from api.jobs import JobRuntime, JobService
@@ -40,18 +42,48 @@ def etag_version(if_none_match: str | None) -> int:
     return int(text) if text.isdigit() else 0
 
 
-async def wait_newer(rt: JobRuntime, after: int, wait_s: float) -> VersionView | None:
-    """The current view once its version is above `after`, or None after `wait_s` seconds."""
+class ClientGone(Exception):
+    """The poller closed its connection while waiting (a killed worker's socket is closed by its kernel)."""
+
+
+async def until_disconnect(receive: Receive) -> None:
+    """Return once the ASGI server reports that the client went away."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def wait_newer(
+    rt: JobRuntime, after: int, wait_s: float, receive: Receive | None = None
+) -> VersionView | None:
+    """The current view once its version is above `after`, or None after `wait_s` seconds.
+
+    With `receive` (the request's ASGI receive), a client that disconnects ends the wait with
+    ClientGone, so a dead worker's heartbeat stops when it dies, not when its poll would have ended.
+    """
     deadline = time.monotonic() + wait_s
-    while rt.view is None or rt.version <= after:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return None
-        try:
-            async with asyncio.timeout(remaining):  # no extra task per waiter, unlike wait_for
-                await rt.changed.wait()
-        except TimeoutError:
-            return None
+    gone: asyncio.Future[Any] | None = None
+    try:
+        while rt.view is None or rt.version <= after:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            if receive is None:
+                try:
+                    async with asyncio.timeout(remaining):  # no extra task per waiter, unlike wait_for
+                        await rt.changed.wait()
+                except TimeoutError:
+                    return None
+                continue
+            if gone is None:
+                gone = asyncio.ensure_future(until_disconnect(receive))
+            changed: asyncio.Future[Any] = asyncio.ensure_future(rt.changed.wait())
+            done, _ = await asyncio.wait({gone, changed}, timeout=remaining, return_when=FIRST_COMPLETED)
+            changed.cancel()
+            if gone in done:
+                raise ClientGone
+    finally:
+        if gone is not None:
+            gone.cancel()
     return rt.view
 
 
@@ -63,6 +95,7 @@ async def wait_newer(rt: JobRuntime, after: int, wait_s: float) -> VersionView |
     },
 )
 async def get_schedule(
+    request: Request,
     job_id: str,
     service: ServiceDep,
     _: ReaderDep,
@@ -75,16 +108,22 @@ async def get_schedule(
     rt = service.get(job_id)
     w = None if worker is None else parse_worker(worker, rt)
     after = max(after_version, etag_version(if_none_match))
-    body, etag = await long_poll(service, rt, w, after, wait)
+    body, etag = await long_poll(service, rt, w, after, wait, request.receive)
     if body is None:
         return Response(status_code=304, headers={"ETag": etag})
     return Response(body, media_type="application/json", headers={"ETag": etag})
 
 
 async def long_poll(
-    service: JobService, rt: JobRuntime, w: tuple[int, int] | None, after: int, wait: float
+    service: JobService,
+    rt: JobRuntime,
+    w: tuple[int, int] | None,
+    after: int,
+    wait: float,
+    receive: Receive | None = None,
 ) -> tuple[bytes | None, str]:
-    """The poll itself (a heartbeat when `w` is given): (body, ETag), body None for a 304.
+    """The poll itself (a heartbeat when `w` is given): (body, ETag), body None for a 304 (also when
+    the client disconnected while waiting: nobody reads that answer).
 
     Shared by the route above and by api/fastpoll.py, which answers well-formed polls without
     FastAPI's routing and dependency injection.
@@ -95,7 +134,9 @@ async def long_poll(
         rt.polling[w] = rt.polling.get(w, 0) + 1
     service.metrics.pollers.inc(1)
     try:
-        view = await wait_newer(rt, after, wait_s)
+        view = await wait_newer(rt, after, wait_s, receive)
+    except ClientGone:
+        view = None
     finally:
         service.metrics.pollers.inc(-1)
         if w is not None:
