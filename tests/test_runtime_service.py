@@ -118,9 +118,9 @@ def test_heartbeat_timeout_fails_a_killed_worker(
     """The launcher does not report the death: the service's heartbeat timeout fails the worker and
     the survivors get the re-routed schedule over HTTP."""
     job, n, victim = tiny_job(2, 2), 24, (1, 1)
-    # The service counts an open long-poll as alive and does not notice a dead client's poll until
-    # its wait ends: detection takes up to the poll wait plus the heartbeat timeout.
-    monkeypatch.setenv("RECYCLE_POLL_WAIT_S", "1")
+    # Workers long-poll with the default 30 s wait: the service ends a poll when its client's
+    # socket closes, so detection takes the heartbeat timeout, not the poll wait.
+    monkeypatch.setenv("RECYCLE_POLL_WAIT_S", "30")
     pub = ServicePublisher(service, TOKEN, job, max_failures=1, heartbeat_timeout_s=1.5)
     spec = LaunchSpec(job, CFG, n, tmp_path, pace_ms=50)
     launcher = Launcher(spec, publisher=pub, report_failures=False)
@@ -129,7 +129,9 @@ def test_heartbeat_timeout_fails_a_killed_worker(
     survivors = [w for w in everyone if w != victim]
     supervise_until(launcher, lambda: steps(tmp_path, everyone) >= 3, "3 steps")
     launcher.kill(victim)
+    killed = time.monotonic()
     supervise_until(launcher, lambda: bool(pub.status()["failed"]), "the heartbeat failure", 40)
+    assert time.monotonic() - killed < 15, "detected only after the poll's 30 s wait"
     doc = pub.status()
     assert doc["failed"] == [list(victim)] and doc["state"] == "running"
     codes = launcher.wait(timedelta(seconds=150))
