@@ -287,23 +287,23 @@ class ServicePublisher:
             raise PublisherError(f"job {self.job_id}: HTTP {status} {answer}")
         return answer
 
-    def restored(self) -> int:
-        """Rejoin every worker the service has as failed, so that the job leaves needs_restore."""
+    def _deliver_by(self, deadline: float) -> None:
+        """Deliver the outbox, retrying until `deadline` (monotonic seconds)."""
         self.flush()
-        deadline = time.monotonic() + self.timeout_s
         while self.outbox:
             if time.monotonic() > deadline:
                 raise PublisherError(f"service unreachable: events {self.outbox} not delivered")
             time.sleep(0.2)
             self.flush()
+
+    def restored(self) -> int:
+        """Rejoin every worker the service has as failed, so that the job leaves needs_restore."""
+        deadline = time.monotonic() + self.timeout_s
+        self._deliver_by(deadline)
         doc = self.status()
         if doc["failed"]:
             self.report("rejoin", [(int(d), int(s)) for d, s in doc["failed"]], "restored from a checkpoint")
-            while self.outbox:
-                if time.monotonic() > deadline:
-                    raise PublisherError(f"service unreachable: events {self.outbox} not delivered")
-                time.sleep(0.2)
-                self.flush()
+            self._deliver_by(deadline)
             doc = self.status()
         if doc["state"] != "running":
             raise PublisherError(f"job {self.job_id} is still {doc['state']} after the rejoin: {doc}")
