@@ -6,15 +6,23 @@ Also runnable alone: `python -m runtime_adapter.cli worker ...` (what the launch
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 from datetime import timedelta
 from pathlib import Path
 
-from planner.contract import JobSpec, Schedule
+from planner.contract import Schedule
+from planner.errors import InvalidInputError
 from runtime_adapter.assignment import Worker
+from runtime_adapter.cli_inputs import (
+    check_schedules_dir,
+    check_worker,
+    parse_fail_at,
+    parse_store,
+    read_job,
+    read_model,
+)
 
 # torch-heavy modules are imported inside the commands: building the `recycle` parser must not load torch.
 
@@ -56,29 +64,24 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from runtime_adapter.client import FileScheduleSource, HttpScheduleSource, ScheduleSource
-    from runtime_adapter.model import GPTConfig
-
     """Run one worker until the job's iterations are done."""
+    from runtime_adapter.client import FileScheduleSource, HttpScheduleSource, ScheduleSource
     from runtime_adapter.worker import WorkerOptions, WorkerProcess, install_log_prefix
 
-    job = JobSpec.model_validate_json(Path(args.job).read_text())
-    worker: Worker = (args.pipeline, args.stage)
+    job = read_job(args.job)
+    worker = check_worker(job, (args.pipeline, args.stage))
+    host, port = parse_store(args.store)
+    fail_at, cfg = parse_fail_at(args.fail_at), read_model(args.model)
     install_log_prefix(worker)
-    host, port = args.store.rsplit(":", 1)
-    fail_at = None
-    if args.fail_at:
-        it, phase = args.fail_at.split(":")
-        fail_at = (int(it), phase)
     opts = WorkerOptions(
         worker=worker,
         num_pipelines=job.num_pipelines,
         num_stages=job.num_stages,
         num_microbatches=job.num_microbatches,
         num_iterations=args.iterations,
-        cfg=GPTConfig(**json.loads(args.model)),
+        cfg=cfg,
         store_host=host,
-        store_port=int(port),
+        store_port=port,
         out_dir=Path(args.out),
         backend=args.backend,
         rejoin=args.rejoin,
@@ -145,15 +148,14 @@ def schedule_file_name(failed: frozenset[Worker]) -> str:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from runtime_adapter.launch import Launcher, LaunchSpec
-    from runtime_adapter.model import GPTConfig
-    from runtime_adapter.publishers import FilePublisher, Publisher, ServicePublisher
-
     """Start the job, supervise it, print each worker's exit code."""
-    job = JobSpec.model_validate_json(Path(args.job).read_text())
+    from runtime_adapter.launch import Launcher, LaunchSpec
+    from runtime_adapter.publishers import FilePublisher, Publisher, PublisherError, ServicePublisher
+
+    job = read_job(args.job)
     spec = LaunchSpec(
         job,
-        GPTConfig(**json.loads(args.model)),
+        read_model(args.model),
         args.iterations,
         Path(args.out),
         args.backend,
@@ -178,15 +180,24 @@ def cmd_launch(args: argparse.Namespace) -> int:
             args.service, token, job, args.max_failures, heartbeat_timeout_s=args.heartbeat_timeout
         )
     else:
-        directory = Path(args.schedules)
+        directory = check_schedules_dir(args.schedules, schedule_file_name(frozenset()))
 
         def schedule_for(failed: frozenset[Worker]) -> Schedule:
-            return Schedule.model_validate_json((directory / schedule_file_name(failed)).read_text())
+            path = directory / schedule_file_name(failed)
+            try:
+                return Schedule.model_validate_json(path.read_text())
+            except (OSError, ValueError) as e:
+                raise PublisherError(f"no usable schedule for failed {sorted(failed)}: {path}: {e}") from e
 
         publisher = FilePublisher(spec.out_dir / "schedule.json", job, schedule_for)
     launcher = Launcher(spec, publisher=publisher)
-    launcher.start()
-    codes = launcher.wait(timedelta(seconds=args.timeout))
+    try:
+        launcher.start()
+        codes = launcher.wait(timedelta(seconds=args.timeout))
+    except PublisherError as e:
+        launcher.terminate()
+        print(f"recycle launch: {e}", file=sys.stderr)
+        return 1
     for w, rc in sorted(codes.items()):
         print(f"worker {list(w)}: exit {rc}")
     return 0 if all(rc == 0 for w, rc in codes.items() if w not in launcher.failed) else 1
@@ -213,17 +224,13 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Profile every stage, print a per-stage table (progress on stderr), write the job spec."""
-    from runtime_adapter.model import GPTConfig
     from runtime_adapter.profile import format_table, job_spec_from_profile, measure_comm, profile_stages
 
     def fail(msg: str) -> int:
         print(f"recycle profile: {msg}", file=sys.stderr)
         return 2
 
-    try:
-        cfg = GPTConfig(**json.loads(args.model))
-    except (TypeError, ValueError) as e:
-        return fail(f"bad --model: {e}")
+    cfg = read_model(args.model)
     D, P, M = args.pipelines, args.stages, args.microbatches
     if min(D, P, M, args.repeats, args.threads) < 1:
         return fail("--stages, --pipelines, --microbatches, --repeats and --threads must be at least 1")
@@ -259,7 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     add_profile_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except InvalidInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,60 @@
+"""`recycle worker` / `recycle launch`: bad input is a one-line error and exit 2, before any process
+or connection is made."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from planner.cli import main
+from tests.jobs import uniform_job
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> str:
+    path = tmp_path / "job.json"
+    path.write_text(uniform_job(2, 2, 4, name="cli-d2p2").model_dump_json())
+    return str(path)
+
+
+def worker_args(job: str, tmp_path: Path, *extra: str) -> list[str]:
+    return ["worker", "--job", job, "--schedule-file", str(tmp_path / "s.json"), "--iterations", "1",
+            "--out", str(tmp_path / "out"), *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--pipeline", "2", "--stage", "0", "--store", "h:1"], "not in the job's 2 x 2 grid"),
+        (["--pipeline", "0", "--stage", "-1", "--store", "h:1"], "not in the job's 2 x 2 grid"),
+        (["--pipeline", "0", "--stage", "0", "--store", "nohost"], "--store 'nohost'"),
+        (["--pipeline", "0", "--stage", "0", "--store", "h:99999"], "--store 'h:99999'"),
+        (["--pipeline", "0", "--stage", "0", "--store", "h:1", "--fail-at", "3"], "--fail-at '3'"),
+        (["--pipeline", "0", "--stage", "0", "--store", "h:1", "--fail-at", "3:X"], "--fail-at '3:X'"),
+        (["--pipeline", "0", "--stage", "0", "--store", "h:1", "--model", "{"], "--model '{'"),
+        (["--pipeline", "0", "--stage", "0", "--store", "h:1", "--model", '{"hidden": 3}'], "multiple"),
+        (["--pipeline", "0", "--stage", "0", "--store", "h:1", "--model", '{"nope": 1}'], "nope"),
+    ],
+)
+def test_worker_bad_input_exits_2(
+    job: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    assert main(worker_args(job, tmp_path, *extra)) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_launch_bad_input_exits_2(job: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = str(tmp_path / "out")
+    assert main(["launch", "--job", str(tmp_path / "missing.json"), "--schedules", ".", "--out", out]) == 2
+    assert "cannot read job spec" in capsys.readouterr().err
+    assert main(["launch", "--job", job, "--schedules", str(tmp_path), "--out", out]) == 2
+    assert "no failed-none.json" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"num_pipelines": 0}')
+    assert main(["launch", "--job", str(bad), "--schedules", str(tmp_path), "--out", out]) == 2
+    assert "not a valid job spec" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing started
