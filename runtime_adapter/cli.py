@@ -150,6 +150,7 @@ def schedule_file_name(failed: frozenset[Worker]) -> str:
 def cmd_launch(args: argparse.Namespace) -> int:
     """Start the job, supervise it, print each worker's exit code."""
     from runtime_adapter.launch import Launcher, LaunchSpec
+    from runtime_adapter.progress import StepProgress
     from runtime_adapter.publishers import FilePublisher, Publisher, PublisherError, ServicePublisher
 
     job = read_job(args.job)
@@ -191,12 +192,19 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
         publisher = FilePublisher(spec.out_dir / "schedule.json", job, schedule_for)
     launcher = Launcher(spec, publisher=publisher)
+    progress = StepProgress(spec.out_dir, spec.workers())
+
+    def report(lr: Launcher) -> None:
+        line = progress.line(lr.version, lr.failed, spec.num_iterations)
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+
     try:
         launcher.start()
-        codes = launcher.wait(timedelta(seconds=args.timeout))
-    except PublisherError as e:
+        codes = launcher.wait(timedelta(seconds=args.timeout), report)
+    except (PublisherError, TimeoutError) as e:
         launcher.terminate()
-        print(f"recycle launch: {e}", file=sys.stderr)
+        print(f"recycle launch: {e} (logs in {spec.out_dir})", file=sys.stderr)
         return 1
     for w, rc in sorted(codes.items()):
         print(f"worker {list(w)}: exit {rc}")

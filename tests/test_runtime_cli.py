@@ -58,3 +58,19 @@ def test_launch_bad_input_exits_2(job: str, tmp_path: Path, capsys: pytest.Captu
     assert main(["launch", "--job", str(bad), "--schedules", str(tmp_path), "--out", out]) == 2
     assert "not a valid job spec" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # nothing started
+
+
+def test_launch_progress_follows_appended_accounting(tmp_path: Path) -> None:
+    from runtime_adapter.progress import StepProgress
+
+    workers = [(0, 0), (1, 0)]
+    progress = StepProgress(tmp_path, workers, every_s=0.0)
+    assert progress.line(1, set(), 10) == "schedule v1: stepped 0-0 of 10 iterations"  # no file yet
+    a, b = tmp_path / "acct_0_0.jsonl", tmp_path / "acct_1_0.jsonl"
+    a.write_text('{"event": "step", "it": 0}\n{"event": "step", "it": 1}\n{"event": "st')  # torn line
+    b.write_text('{"event": "step", "it": 0}\n')
+    assert progress.line(1, set(), 10) == "schedule v1: stepped 1-2 of 10 iterations"
+    with a.open("a") as f:
+        f.write('ep", "it": 2}\n{"event": "rollback", "to": 2, "version": 2}\n')
+    assert progress.line(2, {(1, 0)}, 10) == "schedule v2: stepped 2-2 of 10 iterations, failed [[1, 0]]"
+    assert StepProgress(tmp_path, workers, every_s=60.0).line(1, set(), 10) is None  # not due yet
