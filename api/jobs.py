@@ -110,7 +110,7 @@ class JobService:
             raise InvalidInputError(
                 f"max_failures: {req.max_failures} is above the limit {self.settings.max_failures_cap}"
             )
-        token = secrets.token_urlsafe(32)
+        token = secrets.token_hex(32)  # hex: never starts with '-', which CLIs would take for a flag
         rec = JobRecord(
             id=secrets.token_hex(8),
             name=req.job.name,

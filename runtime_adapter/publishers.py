@@ -220,7 +220,8 @@ class ServicePublisher:
     def worker_args(self) -> list[str]:
         """See Publisher.worker_args."""
         assert self.job_id is not None and self.worker_token is not None, "start() first"
-        return ["--service", self.base, "--job-id", self.job_id, "--token", self.worker_token]
+        # `--flag=value`: a value starting with "-" (url-safe tokens can) is not taken for a flag
+        return [f"--service={self.base}", f"--job-id={self.job_id}", f"--token={self.worker_token}"]
 
     def report(self, kind: str, workers: Sequence[Worker], reason: str = "") -> Outcome:
         """Post the event now, or queue it (same event_id) while the service is unreachable."""

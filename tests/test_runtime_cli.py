@@ -74,3 +74,22 @@ def test_launch_progress_follows_appended_accounting(tmp_path: Path) -> None:
         f.write('ep", "it": 2}\n{"event": "rollback", "to": 2, "version": 2}\n')
     assert progress.line(2, {(1, 0)}, 10) == "schedule v2: stepped 2-2 of 10 iterations, failed [[1, 0]]"
     assert StepProgress(tmp_path, workers, every_s=60.0).line(1, set(), 10) is None  # not due yet
+
+
+def test_launcher_passes_a_token_that_starts_with_a_dash(job: str, tmp_path: Path) -> None:
+    """Worker tokens may start with "-" (url-safe alphabet): the launcher's worker command must still
+    hand them over as values, not flags (this once made every worker exit 2 at random)."""
+    import argparse
+
+    from planner.contract import JobSpec
+    from runtime_adapter.cli import add_worker_parser
+    from runtime_adapter.publishers import ServicePublisher
+
+    spec = JobSpec.model_validate_json(Path(job).read_text())
+    pub = ServicePublisher("http://127.0.0.1:1", "ctl", spec, job_id="-j1", worker_token="-tok-en")
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_worker_parser(parser.add_subparsers(dest="command"))
+    argv = ["worker", "--job", job, "--pipeline", "0", "--stage", "0", "--store", "h:1", "--iterations", "1",
+            "--out", str(tmp_path), *pub.worker_args()]  # fmt: skip
+    args = parser.parse_args(argv)
+    assert (args.service, args.job_id, args.token) == ("http://127.0.0.1:1", "-j1", "-tok-en")
