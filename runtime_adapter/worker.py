@@ -264,10 +264,8 @@ class WorkerProcess:
             LOG_CONTEXT["it"] = ex.stepped
             t0 = time.monotonic()
             rec = ex.run_iteration(ex.stepped)
-            self._maybe_checkpoint(a)
-            pause = self.opts.pace_ms / 1e3 - (time.monotonic() - t0)
-            if pause > 0:
-                time.sleep(pause)
+            # The record right after the step: a kill during the checkpoint or the pause below must
+            # not leave a stepped iteration unaccounted for.
             self._log(
                 {
                     "event": "step",
@@ -278,6 +276,10 @@ class WorkerProcess:
                     "op_ms": rec.op_ms,
                 }
             )
+            self._maybe_checkpoint(a)
+            pause = self.opts.pace_ms / 1e3 - (time.monotonic() - t0)
+            if pause > 0:
+                time.sleep(pause)
         assert ex.groups is not None
         done = allreduce_min(ex.groups, [ex.stepped])[0]
         if done < self.opts.num_iterations:
