@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from planner.contract import JobSpec
 
 
@@ -43,4 +45,34 @@ def uniform_job(
             },
             "memory_capacity_mib": capacity_mib,
         }
+    )
+
+
+SERVICE_PROFILE = {"optimizer_ms": 0.5, "activation_mib": 10.0, "weight_grad_mib": 5.0, "allreduce_ms": 0.4,
+                   "activation_ms": 0.05, "cross_pipeline_ms": 0.2}  # fmt: skip
+
+
+def service_job(D: int, P: int, M: int) -> JobSpec:
+    """The service tests' job: 1 ms ops, 0.5 ms optimizer, real hop and all-reduce times."""
+    return uniform_job(D, P, M, name=f"tiny-d{D}p{P}", **SERVICE_PROFILE)  # type: ignore[arg-type]
+
+
+def service_job_doc(D: int, P: int, M: int) -> dict[str, Any]:
+    """`service_job` as the JSON document a client posts."""
+    return service_job(D, P, M).model_dump(mode="json", exclude_none=True)
+
+
+def tiny_job(num_pipelines: int, num_stages: int, num_microbatches: int = 4) -> JobSpec:
+    """A job spec for the runtime's reference model (the profile only steers the planner's orders)."""
+    return uniform_job(
+        num_pipelines,
+        num_stages,
+        num_microbatches,
+        optimizer_ms=0.5,
+        activation_mib=1.0,
+        weight_grad_mib=1.0,
+        allreduce_ms=0.4,
+        activation_ms=0.05,
+        cross_pipeline_ms=0.2,
+        name=f"tiny-d{num_pipelines}p{num_stages}",
     )

@@ -16,19 +16,11 @@ from api.main import create_app
 from api.settings import Settings
 from planner.contract import FailureScenario, JobSpec, Schedule
 from planner.simulator import validate
+from tests.jobs import service_job_doc
 
 pytestmark = pytest.mark.timeout(120)
 
-STAGE = {"forward": 1.0, "backward_input": 1.0, "backward_weight": 1.0, "optimizer": 0.5,
-         "activation_mib": 10.0, "weight_grad_mib": 5.0}  # fmt: skip
-TINY: dict[str, Any] = {
-    "name": "tiny-d3p2",
-    "num_pipelines": 3,
-    "num_stages": 2,
-    "num_microbatches": 2,
-    "stages": [STAGE, STAGE],
-    "comm": {"activation_ms": 0.05, "cross_pipeline_ms": 0.2, "allreduce_ms": 0.4},
-}
+TINY: dict[str, Any] = service_job_doc(3, 2, 2)
 CTL = {"Authorization": "Bearer controller-secret"}
 
 
@@ -94,7 +86,7 @@ def test_404_and_422(client: TestClient) -> None:
     assert event(client, "nope", "e", "fail", [[0, 0]]).status_code == 404
     bad = dict(TINY, num_stages=3)  # stages has 2 entries
     assert client.post("/v1/jobs", json={"job": bad}, headers=CTL).status_code == 422
-    huge = dict(TINY, num_pipelines=1000, num_stages=1000, stages=[STAGE] * 1000)
+    huge = dict(TINY, num_pipelines=1000, num_stages=1000, stages=[TINY["stages"][0]] * 1000)
     r = client.post("/v1/jobs", json={"job": huge}, headers=CTL)
     assert r.status_code in (413, 422)
     r = client.post("/v1/jobs", json={"job": TINY, "max_failures": 4}, headers=CTL)

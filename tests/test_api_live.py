@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from tests.jobs import service_job_doc
+
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
@@ -25,16 +27,7 @@ pytestmark = pytest.mark.timeout(150)
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "live-controller-token"
 CTL = {"Authorization": f"Bearer {TOKEN}"}
-STAGE = {"forward": 1.0, "backward_input": 1.0, "backward_weight": 1.0, "optimizer": 0.5,
-         "activation_mib": 10.0, "weight_grad_mib": 5.0}  # fmt: skip
-JOB: dict[str, Any] = {
-    "name": "tiny-d4p3",
-    "num_pipelines": 4,
-    "num_stages": 3,
-    "num_microbatches": 2,
-    "stages": [STAGE] * 3,
-    "comm": {"activation_ms": 0.05, "cross_pipeline_ms": 0.2, "allreduce_ms": 0.4},
-}
+JOB: dict[str, Any] = service_job_doc(4, 3, 2)
 
 
 def free_port() -> int:

@@ -17,23 +17,13 @@ from api.models import EventIn, JobCreate
 from api.settings import Settings
 from api.solver import SolveOutput, solve
 from api.store import SQLiteStore
-from planner.contract import FailureScenario, JobSpec
+from planner.contract import FailureScenario
 from planner.normalize import normalize
+from tests.jobs import service_job
 
 pytestmark = pytest.mark.timeout(60)
 
-STAGE = {"forward": 1.0, "backward_input": 1.0, "backward_weight": 1.0, "optimizer": 0.5,
-         "activation_mib": 10.0, "weight_grad_mib": 5.0}  # fmt: skip
-JOB = JobSpec.model_validate(
-    {
-        "name": "tiny-d3p2",
-        "num_pipelines": 3,
-        "num_stages": 2,
-        "num_microbatches": 2,
-        "stages": [STAGE, STAGE],
-        "comm": {"activation_ms": 0.05, "cross_pipeline_ms": 0.2, "allreduce_ms": 0.4},
-    }
-)
+JOB = service_job(3, 2, 2)
 
 
 class FakeSolver:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from runtime_adapter import checkpoint
 from runtime_adapter.launch import Launcher, LaunchSpec
 from runtime_adapter.publishers import lost_stages
+from tests.jobs import tiny_job
 from tests.test_runtime_process import (
     CFG,
     assert_exactly_once,
@@ -21,7 +22,6 @@ from tests.test_runtime_process import (
     assert_peers_identical,
     planner_schedules,
     records,
-    tiny_job,
 )
 
 

@@ -27,22 +27,7 @@ from runtime_adapter.lowering import (
     lower,
 )
 from runtime_adapter.model import GPTConfig, SyntheticData, build_stages, stage_layers
-from tests.jobs import uniform_job
-
-
-def job(d: int, p: int, m: int) -> JobSpec:
-    return uniform_job(
-        d,
-        p,
-        m,
-        optimizer_ms=0.5,
-        activation_mib=1.0,
-        weight_grad_mib=1.0,
-        allreduce_ms=0.4,
-        activation_ms=0.05,
-        cross_pipeline_ms=0.2,
-        name="t",
-    )
+from tests.jobs import tiny_job as job
 
 
 def programs(j: JobSpec, failed: list[list[int]]):

@@ -20,28 +20,12 @@ from runtime_adapter.assignment import Worker
 from runtime_adapter.launch import Launcher, LaunchSpec, publish
 from runtime_adapter.model import GPTConfig
 from runtime_adapter.reference import relative_error, train_reference
-from tests.jobs import uniform_job
+from tests.jobs import tiny_job
 
 pytestmark = pytest.mark.timeout(300)
 
 CFG = GPTConfig()
 TOL = 1e-5
-
-
-def tiny_job(num_pipelines: int, num_stages: int, num_microbatches: int = 4) -> JobSpec:
-    """A job spec for the reference model (the profile only steers the planner's orders)."""
-    return uniform_job(
-        num_pipelines,
-        num_stages,
-        num_microbatches,
-        optimizer_ms=0.5,
-        activation_mib=1.0,
-        weight_grad_mib=1.0,
-        allreduce_ms=0.4,
-        activation_ms=0.05,
-        cross_pipeline_ms=0.2,
-        name=f"tiny-d{num_pipelines}p{num_stages}",
-    )
 
 
 def planner_schedules(job: JobSpec) -> object:

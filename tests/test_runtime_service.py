@@ -20,6 +20,7 @@ from runtime_adapter.assignment import Worker
 from runtime_adapter.client import HttpScheduleSource, ScheduleClient, SourceRejected
 from runtime_adapter.launch import Launcher, LaunchSpec
 from runtime_adapter.publishers import ServicePublisher
+from tests.jobs import tiny_job
 from tests.test_api_live import TOKEN, free_port, server
 from tests.test_runtime_process import (
     CFG,
@@ -27,7 +28,6 @@ from tests.test_runtime_process import (
     assert_matches_reference,
     assert_peers_identical,
     records,
-    tiny_job,
 )
 
 SERVICE_ENV = {"RECYCLE_HEARTBEAT_CHECK_S": "0.2"}
