@@ -9,113 +9,86 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 
 from planner.contract import FailureScenario, JobSpec, Schedule
 from planner.errors import InvalidInputError, ScheduleRuleError, UnrecoverableScenarioError
+from planner.outputs.gantt_stages import STAGE_VIEW_ABOVE
 
 EXIT_INPUT, EXIT_UNRECOVERABLE, EXIT_INVALID = 2, 3, 4
 
 
-def _progress_printer() -> object:
-    """A progress callback that stays quiet for the first second, then prints lines to stderr."""
+def _progress_printer(label: str = "planning") -> Callable[[str], None]:
+    """A progress callback that stays quiet for the first second, then prints lines to stderr:
+    "[  3.2 s elapsed] planning: <what the planner reports>"."""
     t0 = time.perf_counter()
 
     def progress(msg: str) -> None:
         elapsed = time.perf_counter() - t0
         if elapsed >= 1.0:
-            print(f"[{elapsed:6.1f}s] {msg}", file=sys.stderr, flush=True)
+            print(f"[{elapsed:6.1f} s elapsed] {label}: {msg}", file=sys.stderr, flush=True)
 
     return progress
 
 
-def _pct(gap: float) -> str:
-    """A gap as a percentage; the K=4 transient can put it a hair below zero, shown as 0."""
-    return f"{0.0 if abs(gap) < 5e-6 else gap:.3%}"
-
-
-def _summary(fig: dict, report: dict) -> str:
-    from planner.outputs import render_key_values, render_table
-
-    pairs: list[tuple[str, object]] = [
-        ("job", fig["job"]),
-        ("failed", fig["failed"] or "none"),
-        ("iteration time (ms)", fig["iteration_time_ms"]),
-    ]
-    if "baseline_1f1b_ms" in fig:
-        pairs += [
-            ("failure-free 1F1B (ms)", fig["baseline_1f1b_ms"]),
-            ("throughput retained", f"{fig['throughput_retained']:.2%}"),
-        ]
-    pairs += [
-        ("load lower bound (ms)", report["lower_bound_ms"]),
-        ("gap to load bound", _pct(report["gap"])),
-    ]
-    if "memory_bound_ms" in fig:
-        pairs += [
-            ("memory-aware bound (ms)", fig["memory_bound_ms"]),
-            ("gap to memory-aware bound", _pct(fig["gap_to_memory_bound"])),
-            ("planned by", fig["source"]),
-            ("greedy (ms, s)", f"{fig['greedy_ms']:.3f} ms in {fig['greedy_s']:.2f} s"),
-        ]
-        cp = fig.get("cpsat") or {}
-        if cp:
-            detail = f"{cp.get('status')}"
-            if cp.get("wall_s") is not None:
-                detail += f" in {cp['wall_s']:.1f} s, proven bound {cp.get('cpsat_bound_ms') or 0:.3f} ms"
-            pairs.append(("cp-sat", detail))
-    pairs.append(("bubble ratio", f"{report['bubble_ratio']:.2%}"))
-    rows = [
-        [s, peak, cap if cap is not None else "unlimited"]
-        for s, (peak, cap) in enumerate(
-            zip(report["peak_memory_by_stage"], report["capacity_by_stage"], strict=True)
-        )
-    ]
-    return render_key_values(pairs) + "\n\n" + render_table(["stage", "peak MiB", "capacity MiB"], rows)
-
-
 def _write_outputs(args: argparse.Namespace, schedule: Schedule, job: JobSpec) -> None:
+    from planner.cli_io import make_parent, write_output
+
     if args.output:
-        Path(args.output).write_text(schedule.model_dump_json(indent=1, exclude_none=True) + "\n")
-    if args.gantt:
-        from planner.outputs import write_gantt
+        write_output(args.output, schedule.model_dump_json(indent=1, exclude_none=True) + "\n", "-o/--output")
+    try:
+        if args.gantt:
+            from planner.outputs import write_gantt
 
-        write_gantt(schedule, job, args.gantt)
-    if args.trace:
-        from planner.outputs import write_chrome_trace
+            write_gantt(schedule, job, make_parent(args.gantt, "--gantt"), view=args.gantt_view)
+        if args.trace:
+            from planner.outputs import write_chrome_trace
 
-        write_chrome_trace(schedule, job, args.trace)
+            write_chrome_trace(schedule, job, make_parent(args.trace, "--trace"))
+    except OSError as exc:
+        raise InvalidInputError(f"cannot write {exc.filename or 'output'}: {exc.strerror or exc}") from exc
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from planner.cli_io import build_scenario, read_document
+    from planner.cli_io import PICTURE_SUFFIXES, build_scenario, check_output, read_document
+    from planner.cli_summary import render_summary
+    from planner.figures import own_failure_free_ms
     from planner.plan import plan
 
+    # Output paths are checked before planning, so a typo does not cost the plan.
+    check_output(args.output, "-o/--output")
+    check_output(args.gantt, "--gantt", PICTURE_SUFFIXES)
+    check_output(args.trace, "--trace")
     job = read_document(args.job, JobSpec, "job spec")
     scenario = build_scenario(args.scenario, args.fail, args.slow)
     if args.time_limit <= 0:
         raise InvalidInputError("--time-limit must be positive (seconds)")
-    result = plan(
-        job,
-        scenario,
-        time_limit=timedelta(seconds=args.time_limit),
-        use_cpsat=not args.no_cpsat,
-        progress=_progress_printer(),  # type: ignore[arg-type]
-    )
-    _write_outputs(args, result.schedule, job)
-    fig = result.figures()
-    if args.json:
-        print(json.dumps(fig, indent=1))
+    limit, use_cpsat = timedelta(seconds=args.time_limit), not args.no_cpsat
+    result = plan(job, scenario, time_limit=limit, use_cpsat=use_cpsat, progress=_progress_printer())
+    if scenario.failed or scenario.slow:
+        reference = _progress_printer("planning the failure-free reference")
+        own = own_failure_free_ms(job, limit, use_cpsat, progress=reference)
     else:
-        print(_summary(fig, fig["validation"]))  # type: ignore[arg-type]
+        own = result.iteration_time_ms
+    fig = result.figures(own_failure_free_ms=own)
+    try:
+        if args.json:
+            print(json.dumps(fig, indent=1), flush=True)
+        else:
+            print(render_summary(fig, fig["validation"]), flush=True)  # type: ignore[arg-type]
+    finally:  # even when stdout is a closed pipe, the files are written
+        _write_outputs(args, result.schedule, job)
     return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from planner.cli_io import read_document
+    from planner.cli_summary import render_summary
+    from planner.figures import schedule_figures
     from planner.simulator import validate
 
     job = read_document(args.job, JobSpec, "job spec")
@@ -126,7 +99,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         scenario = schedule.scenario()
     iterations = args.iterations or schedule.replay_iterations or 4
     if iterations < 4:
-        raise InvalidInputError("--iterations must be at least 4 (CONTRACT.md section 4)")
+        raise InvalidInputError("--iterations must be at least 4 (docs/contract.md section 4)")
     try:
         report = validate(job, scenario, schedule, num_iterations=iterations)
     except ScheduleRuleError as exc:
@@ -135,15 +108,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
         else:
             print(f"INVALID: {exc}")
         return EXIT_INVALID
-    fig = {
-        "job": schedule.job,
-        "failed": [list(w) for w in schedule.failed],
-        "iteration_time_ms": report.iteration_time_ms,
-    }
+    fig = schedule_figures(job, scenario, schedule, report)
     if args.json:
         print(json.dumps({"valid": True, **fig, "validation": report.to_dict()}, indent=1))
     else:
-        print("VALID\n" + _summary(fig, report.to_dict()))
+        print("VALID\n" + render_summary(fig, report.to_dict()))
     return 0
 
 
@@ -153,20 +122,45 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _environment_epilog() -> str:
+    """The RECYCLE_* variables (from the settings classes, like docs/configuration.md)."""
+    from api.settings import Settings
+    from planner.settings import PlannerSettings, environment_rows
+    from runtime_adapter.settings import RuntimeSettings
+
+    rows = environment_rows(PlannerSettings, RuntimeSettings, Settings)
+    lines = [f"  {var}={default}: {text}" for var, default, text in rows]
+    return "environment variables (with defaults; docs/configuration.md):\n" + "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="recycle", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="recycle",
+        description=__doc__.splitlines()[0],
+        epilog=_environment_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="plan a schedule for a job spec and a failure set")
-    p.add_argument("job", help="job spec JSON (CONTRACT.md section 1)")
+    p.add_argument("job", help="job spec JSON (docs/contract.md section 1)")
     p.add_argument("--fail", action="append", default=[], metavar="D,S", help="a failed worker (repeatable)")
     p.add_argument(
         "--slow", action="append", default=[], metavar="D,S:FACTOR", help="a slow worker (repeatable)"
     )
-    p.add_argument("--scenario", help="failure scenario JSON (CONTRACT.md section 2); flags add to it")
-    p.add_argument("-o", "--output", help="write the schedule JSON here")
-    p.add_argument("--gantt", help="write a Gantt chart PNG here")
+    p.add_argument("--scenario", help="failure scenario JSON (docs/contract.md section 2); flags add to it")
+    p.add_argument("-o", "--output", help="write the schedule JSON here (missing directories are created)")
+    p.add_argument(
+        "--gantt", metavar="PATH.png|PATH.svg", help="write a Gantt chart here (PNG or SVG, by suffix)"
+    )
+    p.add_argument(
+        "--gantt-view",
+        choices=("auto", "workers", "stages"),
+        default="auto",
+        help="Gantt rows: one per worker, or one per stage (the share of its peers busy with each op); "
+        f"auto (default) uses stages above {STAGE_VIEW_ABOVE} workers",
+    )
     p.add_argument("--trace", help="write a Chrome trace JSON (open in Perfetto) here")
     p.add_argument(
         "--time-limit",
@@ -180,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     v = sub.add_parser("validate", help="replay a schedule and print its figures or the rule it breaks")
-    v.add_argument("job", help="job spec JSON")
-    v.add_argument("schedule", help="schedule JSON (CONTRACT.md section 3)")
+    v.add_argument("job", help="job spec JSON (docs/contract.md section 1)")
+    v.add_argument("schedule", help="schedule JSON (docs/contract.md section 3)")
     v.add_argument("--scenario", help="failure scenario JSON (default: the schedule's own failed/slow)")
     v.add_argument(
         "--iterations",
@@ -212,9 +206,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost subcommand parser `args` went through (the top-level parser if none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None) or "")
+            if chosen is not None:
+                return _chosen_parser(chosen, args)
+    return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """parse_args, except that unrecognized arguments are reported by the subcommand that got them
+    (its usage and exit 2), not by the top-level parser."""
+    words = sys.argv[1:] if argv is None else list(argv)
+    args, extras = parser.parse_known_args(words)
+    if extras:
+        message = f"unrecognized arguments: {' '.join(extras)}"
+        command = getattr(args, "command", None)
+        before = words[: words.index(command)] if command in words else words
+        if any(e in before for e in extras):  # given before the subcommand: the top level's
+            parser.error(message)
+        _chosen_parser(parser, args).error(message)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
@@ -230,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     except ScheduleRuleError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INVALID
+    except BrokenPipeError:  # `recycle plan ... --json | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""Reading the CLI's input documents with errors a user can act on."""
+"""Reading the CLI's input documents and checking its output paths, with errors a user can act on."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TypeVar
 
@@ -78,3 +79,61 @@ def build_scenario(scenario_path: str | None, fails: list[str], slows: list[str]
         return FailureScenario(failed=failed, slow=slow)
     except ValidationError as exc:
         raise InvalidInputError(f"failure scenario:\n{describe_validation_error(exc)}") from exc
+
+
+PICTURE_SUFFIXES = (".png", ".svg")
+
+
+def check_output(path: str | None, flag: str, suffixes: tuple[str, ...] | None = None) -> None:
+    """Fail early (InvalidInputError, exit 2) when `path` cannot be written, before any work is done.
+
+    Missing parent directories are fine (write_output creates them) as long as the nearest existing
+    ancestor is a writable directory. `suffixes`: the only accepted file suffixes (case-insensitive).
+    """
+    if not path:
+        return
+    p = Path(path)
+    if suffixes is not None and p.suffix.lower() not in suffixes:
+        raise InvalidInputError(
+            f"{flag} {path}: unsupported file type {p.suffix or '(no suffix)'}; use {' or '.join(suffixes)}"
+        )
+    if p.is_dir():
+        raise InvalidInputError(f"{flag} {path}: is a directory")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise InvalidInputError(f"{flag} {path}: file exists and is not writable")
+    ancestor = p.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise InvalidInputError(f"{flag} {path}: cannot create a directory under {ancestor}: it is a file")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise InvalidInputError(f"{flag} {path}: directory {ancestor} is not writable")
+
+
+def check_output_dir(path: str | None, flag: str) -> None:
+    """Like check_output, for a directory that is created if missing (e.g. a plan cache)."""
+    if not path:
+        return
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise InvalidInputError(f"{flag} {path}: exists and is not a directory")
+    check_output(str(p / "x"), flag)
+
+
+def make_parent(path: str | Path, flag: str) -> Path:
+    """Create the parent directories of an output file; InvalidInputError names the flag on failure."""
+    p = Path(path)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidInputError(f"{flag} {path}: cannot create {p.parent}: {exc.strerror or exc}") from exc
+    return p
+
+
+def write_output(path: str, text: str, flag: str) -> None:
+    """Write `text` to `path` (parents created); InvalidInputError names the flag on failure."""
+    p = make_parent(path, flag)
+    try:
+        p.write_text(text)
+    except OSError as exc:
+        raise InvalidInputError(f"{flag} {path}: cannot write: {exc.strerror or exc}") from exc

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,16 +22,11 @@ from planner.contract import FailureScenario, JobSpec, Schedule
 from planner.normalize import Normalized, job_fingerprint, normalize, to_physical
 from planner.orders import Orders, to_schedule
 from planner.problem import Problem
+from planner.settings import planner_settings
 from planner.simulator import ValidationReport, validate
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIME_LIMIT = timedelta(seconds=float(os.environ.get("RECYCLE_SOLVER_TIME_LIMIT_S", "10")))
-# How long the greedy portfolio may keep trying policies once the default policy has run on every
-# host map (it stops earlier as soon as a candidate meets the memory-aware bound); never longer than
-# the plan's time limit.
-GREEDY_BUDGET = timedelta(seconds=float(os.environ.get("RECYCLE_GREEDY_BUDGET_S", "10")))
-CPSAT_MAX_OPS = int(os.environ.get("RECYCLE_CPSAT_MAX_OPS", "8000"))  # larger: greedy (decomposed) only
 GAIN_THRESHOLD = 1e-3  # a schedule within 0.1% of the best bound is not worth a solve
 GOOD_ENOUGH = 5e-4  # the greedy portfolio stops within 0.05% of the best bound
 SMALL_OPS = 12_000  # up to this many ops per iteration the greedy simulates more iterations
@@ -77,9 +71,16 @@ class PlanResult:
         """Failure-free 1F1B iteration time over this schedule's: 1.0 means no loss at all."""
         return self.baseline_1f1b_ms / self.iteration_time_ms if self.iteration_time_ms else 1.0
 
-    def figures(self) -> dict[str, object]:
-        """JSON-able summary (the CLI's --json and the benchmark read this)."""
-        return {
+    def figures(self, own_failure_free_ms: float | None = None) -> dict[str, object]:
+        """JSON-able summary (the CLI's --json, the benchmark and the service read this).
+
+        Keys added by planner.figures.derived_figures: slow, throughput_retained_vs_1f1b, the
+        clamped gaps, measured_below_bound, and own_failure_free_ms with
+        throughput_retained_vs_own_failure_free when the caller planned the empty scenario.
+        """
+        from planner.figures import derived_figures, gap
+
+        fig: dict[str, object] = {
             "job": self.schedule.job,
             "failed": [list(w) for w in self.schedule.failed],
             "iteration_time_ms": self.iteration_time_ms,
@@ -87,8 +88,8 @@ class PlanResult:
             "throughput_retained": self.throughput_retained,
             "lower_bound_ms": self.lower_bound_ms,
             "memory_bound_ms": self.memory_bound_ms,
-            "gap_to_lower_bound": _gap(self.iteration_time_ms, self.lower_bound_ms),
-            "gap_to_memory_bound": _gap(self.iteration_time_ms, self.memory_bound_ms),
+            "gap_to_lower_bound": gap(self.iteration_time_ms, self.lower_bound_ms),
+            "gap_to_memory_bound": gap(self.iteration_time_ms, self.memory_bound_ms),
             "greedy_ms": self.greedy_ms,
             "greedy_s": self.greedy_s,
             "source": self.source,
@@ -96,13 +97,7 @@ class PlanResult:
             "key": self.key,
             "validation": self.report.to_dict(),
         }
-
-
-def _gap(value: float, bound: float) -> float:
-    """Relative gap to a bound; 0 when both are 0 (a job whose every duration is 0)."""
-    if bound <= 0:
-        return 0.0 if value <= 0 else float("inf")
-    return value / bound - 1
+        return derived_figures(fig, self.schedule, own_failure_free_ms)
 
 
 @lru_cache(maxsize=64)
@@ -224,7 +219,10 @@ def plan_greedy(
                 break
         assert best is not None
         if progress:
-            progress(f"greedy {i + 1}/{len(trials)}: best {best.schedule.iteration_time_ms:.3f} ms")
+            progress(
+                f"greedy trial {i + 1}/{len(trials)} done (policy x host map), "
+                f"best iteration time so far {best.schedule.iteration_time_ms:.3f} ms"
+            )
         if best.schedule.iteration_time_ms <= target_ms * (1 + 1e-9):
             break
         if i + 1 >= len(problems) and time.perf_counter() - t0 > budget_s:
@@ -236,15 +234,21 @@ def plan_greedy(
 def plan(
     job: JobSpec,
     scenario: FailureScenario,
-    time_limit: timedelta = DEFAULT_TIME_LIMIT,
+    time_limit: timedelta | None = None,
     use_cpsat: bool = True,
     progress: Progress | None = None,
 ) -> PlanResult:
     """Plan `scenario` for `job`: a validated schedule on the physical workers, with its figures.
 
-    Raises InvalidInputError / UnrecoverableScenarioError for bad input; never returns a schedule
-    the simulator rejects.
+    `time_limit` bounds CP-SAT (default RECYCLE_SOLVER_TIME_LIMIT_S). The greedy portfolio before it
+    may keep trying policies, once the default policy has run on every host map, for
+    RECYCLE_GREEDY_BUDGET_S but never longer than `time_limit`; models above RECYCLE_CPSAT_MAX_OPS ops
+    keep the greedy plan (planner/settings.py). Raises InvalidInputError / UnrecoverableScenarioError
+    for bad input; never returns a schedule the simulator rejects.
     """
+    settings = planner_settings()
+    if time_limit is None:
+        time_limit = settings.solver_time_limit
     scenario.check_against(job)
     norm: Normalized = normalize(job, scenario)
     lb = load_bound(job, norm.scenario)
@@ -254,7 +258,7 @@ def plan(
         job,
         norm.scenario,
         target_ms=mb,
-        budget_s=min(GREEDY_BUDGET, time_limit).total_seconds(),
+        budget_s=min(settings.greedy_budget, time_limit).total_seconds(),
         progress=progress,
     )
     if best.schedule.iteration_time_ms > mb * (1 + 1e-9):
@@ -267,7 +271,7 @@ def plan(
     cpsat_info: dict[str, object] = {}
     num_ops = sum(len(o) for o in best.orders.values())
     if use_cpsat and greedy_ms > mb * (1 + GAIN_THRESHOLD):
-        if num_ops <= CPSAT_MAX_OPS:
+        if num_ops <= settings.cpsat_max_ops:
             from planner.adaptive.refine import refine_with_cpsat
 
             improved, cpsat_info = refine_with_cpsat(best.problem, best.orders, time_limit, lb, mb, progress)
@@ -276,7 +280,7 @@ def plan(
         else:
             cpsat_info = {
                 "status": "SKIPPED",
-                "reason": f"{num_ops} ops > RECYCLE_CPSAT_MAX_OPS={CPSAT_MAX_OPS}",
+                "reason": f"{num_ops} ops > RECYCLE_CPSAT_MAX_OPS={settings.cpsat_max_ops}",
             }
     physical = to_physical(best.schedule, norm, scenario)
     physical.strategy = "recycle-" + source

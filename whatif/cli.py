@@ -17,6 +17,7 @@ from typing import Any
 from planner.contract import FailureScenario, JobSpec
 from planner.errors import InvalidInputError
 from whatif.cache import PlanCache
+from whatif.cli_precompute import add_precompute_parser, cmd_precompute
 from whatif.strategies import ALL_STRATEGIES, CheckpointRestart, Costs, Strategy, make_strategies
 from whatif.trace import parse_duration
 
@@ -38,9 +39,11 @@ def _duration(default_unit: str = "h") -> Any:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("job", help="job spec JSON (CONTRACT.md section 1)")
+    p.add_argument("job", help="job spec JSON (docs/contract.md section 1)")
     p.add_argument(
-        "--plans", help="plan cache directory (from `recycle precompute`); misses are planned and added"
+        "--plans",
+        help="plan cache directory (from `recycle precompute`; created if missing); "
+        "misses are planned and added",
     )
     p.add_argument("--strategies", default=",".join(ALL_STRATEGIES), help="comma-separated strategies")
     p.add_argument("--workers", type=int, default=2, help="planning processes for cache misses (default 2)")
@@ -87,21 +90,44 @@ def _load(
 
 
 def _write_json(path: str | None, payload: dict[str, Any]) -> None:
+    from planner.cli_io import write_output
+
     if path:
-        Path(path).write_text(json.dumps(payload, indent=1) + "\n")
+        write_output(path, json.dumps(payload, indent=1) + "\n", "--json")
+
+
+def _check_outputs(args: argparse.Namespace, files: tuple[str, ...]) -> None:
+    """Refuse unwritable output paths and picture types other than PNG/SVG before any work."""
+    from planner.cli_io import PICTURE_SUFFIXES, check_output, check_output_dir
+
+    check_output_dir(args.plans, "--plans")
+    for name in files:
+        flag = "--" + name.replace("_", "-")
+        check_output(getattr(args, name), flag, PICTURE_SUFFIXES if name == "plot" else None)
+
+
+def _plot_path(path: str) -> Path:
+    from planner.cli_io import make_parent
+
+    return make_parent(path, "--plot")
 
 
 def add_whatif_parser(sub: Any) -> None:
     """`recycle whatif JOB --max-failures K`."""
     p = sub.add_parser("whatif", help="throughput retained per strategy for 0..k failures")
     _add_common(p)
-    p.add_argument("--max-failures", type=int, default=3)
+    p.add_argument(
+        "--max-failures",
+        type=int,
+        default=3,
+        help="evaluate 0, 1, ..., K failed workers (default 3); a row per count",
+    )
     p.add_argument(
         "--max-scenarios", type=int, default=64, help="per failure count; past it, sample placements"
     )
     p.add_argument("--seed", type=int, default=0, help="seed for sampled placements")
-    p.add_argument("--plot", help="write a PNG plot here")
-    p.add_argument("--json", help="write the table as JSON here")
+    p.add_argument("--plot", metavar="PATH.png|PATH.svg", help="write a plot here (PNG or SVG, by suffix)")
+    p.add_argument("--json", metavar="PATH", help="write the table as JSON here")
     p.set_defaults(func=cmd_whatif)
 
 
@@ -111,6 +137,7 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     from whatif.precompute import plan_missing
     from whatif.table import choose_scenarios, evaluate, render
 
+    _check_outputs(args, ("plot", "json"))
     job, _, cache, strategies, fallback = _load(args)
     if args.max_failures < 0 or args.max_scenarios < 1:
         raise InvalidInputError("--max-failures must be >= 0 and --max-scenarios >= 1")
@@ -121,11 +148,11 @@ def cmd_whatif(args: argparse.Namespace) -> int:
         plan_missing(job, every, cache, args.workers, time_limit=timedelta(seconds=args.time_limit))
     result = evaluate(job, strategies, fallback, baseline_1f1b_ms(job), chosen)
     print(render(result, list(strategies)))
-    print(f"({time.perf_counter() - t0:.1f} s)")
+    print(f"(done in {time.perf_counter() - t0:.1f} s)", flush=True)
     if args.plot:
         from whatif.plots import plot_whatif
 
-        plot_whatif(result, list(strategies), args.plot)
+        plot_whatif(result, list(strategies), _plot_path(args.plot))
     _write_json(args.json, result.to_dict())
     return 0
 
@@ -146,9 +173,11 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--repair", type=_duration("h"), default=2 * 3600.0, help="repair time (default 2h)")
     p.add_argument("--duration", type=_duration("h"), default=7 * 86400.0, help="run length (default 7d)")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--plot", help="write a PNG of throughput over time here")
-    p.add_argument("--json", help="write the figures as JSON here")
-    p.add_argument("--write-trace", help="write the (generated) trace as CSV here")
+    p.add_argument(
+        "--plot", metavar="PATH.png|PATH.svg", help="write a plot of throughput over time here (PNG or SVG)"
+    )
+    p.add_argument("--json", metavar="PATH", help="write the figures as JSON here")
+    p.add_argument("--write-trace", metavar="PATH", help="write the (generated) trace as CSV here")
     p.set_defaults(func=cmd_simulate)
 
 
@@ -175,13 +204,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     """Run the trace through every strategy; print the figures; optionally plot and write JSON."""
     from planner.normalize import normalize
     from planner.plan import baseline_1f1b_ms
-    from whatif.events import render_runs, simulate
+    from whatif.events import simulate
     from whatif.precompute import plan_missing
     from whatif.scenarios import Canonical
     from whatif.strategies import young_daly_interval_s
+    from whatif.table import render_runs
     from whatif.trace import generate_trace, read_trace, write_trace
 
     t0 = time.perf_counter()
+    _check_outputs(args, ("plot", "json", "write_trace"))
     job, costs, cache, strategies, fallback = _load(args)
     gpus = _gpus_per_worker(job, args.gpus_per_worker)
     num_workers = job.num_pipelines * job.num_stages
@@ -194,7 +225,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         events = generate_trace(job, worker_mtbf, args.repair, args.duration, args.seed)
         job_mtbf = worker_mtbf / num_workers
     if args.write_trace:
-        write_trace(events, args.write_trace)
+        from planner.cli_io import make_parent
+
+        write_trace(events, make_parent(args.write_trace, "--write-trace"))
     if not costs.checkpoint_interval_s and costs.checkpoint_s <= 0:
         raise InvalidInputError("--checkpoint-cost must be positive unless --checkpoint-interval is given")
     interval = costs.checkpoint_interval_s or young_daly_interval_s(job_mtbf, costs.checkpoint_s)
@@ -218,7 +251,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 f"({r.retained_vs_own / max(runs[other].retained_vs_own, 1e-12):.3f}x relative to each "
                 "one's own failure-free throughput)"
             )
-    print(f"({time.perf_counter() - t0:.1f} s)")
+    print(f"(done in {time.perf_counter() - t0:.1f} s)", flush=True)
     payload = {
         "job": job.name,
         "duration_s": args.duration,
@@ -233,52 +266,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from whatif.plots import plot_simulation
 
         base_rate = job.num_pipelines * job.num_microbatches / (base_ms / 1000.0)
-        plot_simulation(runs, args.duration, base_rate, args.plot, f"{job.name}: throughput over time")
-    return 0
-
-
-def add_precompute_parser(sub: Any) -> None:
-    """`recycle precompute JOB --max-failures K -o DIR`."""
-    p = sub.add_parser("precompute", help="plan every normalized scenario up to k failures into a cache")
-    p.add_argument("job", help="job spec JSON")
-    p.add_argument("--max-failures", type=int, default=2)
-    p.add_argument("-o", "--output", required=True, help="plan cache directory")
-    p.add_argument("--workers", type=int, default=2, help="planning processes (default 2)")
-    p.add_argument("--time-limit", type=float, default=3.0, help="greedy (and CP-SAT) budget per plan, s")
-    p.add_argument("--cpsat", action="store_true", help="also refine with CP-SAT (slow; default greedy only)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.set_defaults(func=cmd_precompute)
-
-
-def cmd_precompute(args: argparse.Namespace) -> int:
-    """Plan what is missing; report normalization savings and what was (not) solved."""
-    from planner.cli_io import read_document
-    from whatif.precompute import precompute
-
-    job = read_document(args.job, JobSpec, "job spec")
-    if args.max_failures < 0 or args.workers < 1 or args.time_limit <= 0:
-        raise InvalidInputError("--max-failures >= 0, --workers >= 1 and --time-limit > 0 required")
-    stats = precompute(
-        job,
-        args.max_failures,
-        PlanCache(args.output),
-        num_workers=args.workers,
-        use_cpsat=args.cpsat,
-        time_limit=timedelta(seconds=args.time_limit),
-        progress=not args.no_progress,
-    )
-    saved = stats.saved_by_normalization / max(1, stats.physical_scenarios)
-    if args.json:
-        print(json.dumps(stats.to_dict(), indent=1))
-    else:
-        print(
-            f"{job.name}: {stats.physical_scenarios} failure sets up to {args.max_failures} failures -> "
-            f"{stats.canonical_scenarios} normalized scenarios (normalization saved "
-            f"{stats.saved_by_normalization}, {saved:.1%}); "
-            f"{stats.already_cached} already cached, {stats.planned} planned now "
-            f"({stats.unrecoverable} unrecoverable) in {stats.wall_s:.1f} s -> {args.output}"
-        )
+        title = f"{job.name}: throughput over time"
+        plot_simulation(runs, args.duration, base_rate, _plot_path(args.plot), title)
     return 0
 
 

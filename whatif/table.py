@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from planner.contract import FailureScenario, JobSpec
 from whatif.scenarios import Canonical, scenarios_for
 from whatif.strategies import CheckpointRestart, Strategy
+
+if TYPE_CHECKING:
+    from whatif.events import RunFigures
 
 log = logging.getLogger(__name__)
 
@@ -140,3 +143,44 @@ def render(result: WhatIf, strategies: list[str]) -> str:
         how = "all" if cov["exhaustive"] else "a seeded sample of"
         notes.append(f"k={k}: {how} {cov['scenarios']} normalized scenarios ({cov['placements']} placements)")
     return "\n".join([*lines, "", *notes])
+
+
+def render_runs(runs: dict[str, RunFigures]) -> str:
+    """The `recycle simulate` table: one row per strategy, numbers right-aligned under their header."""
+    from planner.outputs import render_table
+
+    head = [
+        "strategy",
+        "samples",
+        "samples/s",
+        "vs 1F1B",
+        "vs own",
+        "recovery h",
+        "lost h",
+        "ckpt h",
+        "stalled h",
+        "fallbacks",
+    ]
+    rows = [
+        [
+            name,
+            f"{r.samples:,.0f}",
+            f"{r.effective_throughput:.2f}",
+            f"{r.retained_vs_1f1b:.1%}",
+            f"{r.retained_vs_own:.1%}",
+            f"{r.recovery_s / 3600:.2f}",
+            f"{r.lost_work_s / 3600:.2f}",
+            f"{r.checkpoint_s / 3600:.2f}",
+            f"{r.stalled_s / 3600:.2f}",
+            str(r.checkpoint_fallbacks),
+        ]
+        for name, r in runs.items()
+    ]
+    gpu_h = next(iter(runs.values())).gpu_hours if runs else 0.0
+    notes = [
+        "vs 1F1B / vs own: samples over what failure-free 1F1B / the strategy itself would train",
+        "hours: recovery = switches and restarts, lost = rolled back to a checkpoint, ckpt = writing",
+        "checkpoints, stalled = nothing could run; fallbacks: failures that forced a checkpoint restore",
+        f"GPU-hours (allocated, every strategy): {gpu_h:.0f}",
+    ]
+    return "\n".join([render_table(head, rows, align="l" + "r" * 9), *notes])

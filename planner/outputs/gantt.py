@@ -1,4 +1,6 @@
-"""A schedule as a Gantt chart (PNG): one row per worker, bars coloured by op, x axis in ms.
+"""A schedule as a Gantt chart (PNG or SVG): one row per worker, bars coloured by op, x axis in ms.
+
+Large grids get one row per stage instead (gantt_stages.py).
 
 Rows are ordered by stage then pipeline and labelled "[d,s]"; a failed worker keeps its row,
 greyed and crossed, so the hole in the grid is visible. Re-routed work (a micro-batch of another
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from planner.contract import JobSpec, Schedule
+from planner.outputs.gantt_stages import draw_stage_rows, gantt_view, stage_layout
 
 if TYPE_CHECKING:
     from matplotlib.artist import Artist
@@ -100,28 +103,37 @@ def _title(schedule: Schedule, job: JobSpec, title: str | None) -> str:
     return f"{title}\n{detail}" if title else detail
 
 
-def write_gantt(schedule: Schedule, job: JobSpec, path: str | Path, title: str | None = None) -> None:
-    """Draw the Gantt chart of `schedule` to a PNG at `path`.
+def write_gantt(
+    schedule: Schedule, job: JobSpec, path: str | Path, title: str | None = None, view: str = "auto"
+) -> None:
+    """Draw the Gantt chart of `schedule` at `path`: SVG when the suffix is .svg, else PNG.
 
-    The title always names the job, the failed set and the iteration time; `title`, when given,
-    is put on a line above them.
+    `view`: "workers" (one row per worker), "stages" (one row per stage, its peers summarized:
+    planner/outputs/gantt_stages.py) or "auto" (stages above STAGE_VIEW_ABOVE workers). The title
+    names the job, the failed set and the iteration time T (`title`, when given, goes above); a
+    dashed line marks T on the time axis.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch, PathPatch
 
-    layout = gantt_layout(schedule, job)
-    num_rows = max(1, len(layout.rows))
-    row_inch = 0.22 if num_rows <= 32 else 0.14 if num_rows <= 96 else 0.105
-    label_size = 8.0 if num_rows <= 32 else 6.0 if num_rows <= 96 else 4.5
-    num_bars = sum(len(v) for v in layout.bars.values())
-    x_max = layout.x_max_ms if layout.x_max_ms > 0 else 1.0
+    view = gantt_view(job, view)
+    layout = gantt_layout(schedule, job) if view == "workers" else None
+    stages = stage_layout(schedule, job) if layout is None else None
+    labels = layout.labels if layout else stages.labels if stages else []
+    num_rows = max(1, len(labels))
+    if stages:
+        row_inch, label_size = 0.42, 8.0
+    else:
+        row_inch = 0.22 if num_rows <= 32 else 0.14 if num_rows <= 96 else 0.105
+        label_size = 8.0 if num_rows <= 32 else 6.0 if num_rows <= 96 else 4.5
+    x_end = layout.x_max_ms if layout else stages.x_max_ms if stages else 0.0
+    x_max = max(x_end, schedule.iteration_time_ms, 1e-9) if x_end > 0 else 1.0
 
     # Fixed margins in inches (tight_layout would cost a full text-layout pass on 256 labels).
-    label_chars = max((len(lb) for lb in layout.labels), default=5)
+    label_chars = max((len(lb) for lb in labels), default=5)
     heading = _title(schedule, job, title)
-    left, right = 0.45 + label_chars * label_size * 0.62 / 72, 1.0
-    top, bottom = 0.25 + 0.17 * (heading.count("\n") + 1), 0.45
+    left, right = 0.45 + label_chars * label_size * 0.62 / 72, 1.4
+    top, bottom = 0.25 + 0.17 * (heading.count("\n") + 1), 0.6
     width, height = 14.0, min(40.0, top + bottom + 0.3 + num_rows * row_inch)
     fig = Figure(figsize=(width, height), dpi=110)
     FigureCanvasAgg(fig)
@@ -129,7 +141,50 @@ def write_gantt(schedule: Schedule, job: JobSpec, path: str | Path, title: str |
         left=left / width, right=1 - right / width, top=1 - top / height, bottom=bottom / height
     )
     ax = fig.add_subplot(1, 1, 1)
+    ax.set_xlim(0.0, x_max * 1.01)
+    ax.set_ylim(num_rows - 0.5, -0.5)
+    row_pt = (height - top - bottom) * 72 / num_rows
+    stride = max(1, math.ceil(label_size * 1.15 / row_pt))
+    if layout:
+        _draw_worker_rows(ax, schedule, layout, min_ms=x_max * 0.3 / (width - left - right))
+        present = {op for op, _ in layout.bars}
+        rerouted, failed = any(rr for _, rr in layout.bars), bool(layout.failed_rows)
+        _draw_row_labels(ax, layout.labels, set(layout.failed_rows), label_size, stride)
+        ax.set_ylabel("worker [pipeline, stage]", fontsize=7)
+    elif stages:
+        draw_stage_rows(ax, stages, OP_COLOURS, _FAILED_GREY, _BAR_HEIGHT)
+        present = {op for by_op in stages.steps for op in by_op}
+        rerouted, failed = False, any(stages.failed)
+        _draw_row_labels(ax, stages.labels, set(), label_size, stride)
+        ax.set_ylabel(f"stage: height = peers busy (of {job.num_pipelines})", fontsize=7)
+    _mark_iteration_time(ax, schedule.iteration_time_ms)
+    ax.set_xlabel(
+        "time from the start of the first iteration (ms); dashed line: iteration time T, "
+        "the period at which later iterations repeat",
+        fontsize=8,
+    )
+    ax.yaxis.set_label_coords(-(left - 0.12) / (width - left - right), 0.5)
+    ax.grid(axis="x", linewidth=0.3, alpha=0.5)
+    ax.set_axisbelow(True)
+    # A figure title, not ax.set_title: the latter measures every row label to place itself.
+    fig.suptitle(heading, fontsize=9, y=1 - 0.1 / height, va="top")
+    _draw_legend(ax, present, rerouted, failed)
+    if Path(path).suffix.lower() == ".svg":
+        from matplotlib import rc_context
 
+        with rc_context({"svg.fonttype": "none"}):  # text stays text: searchable, smaller
+            fig.savefig(str(path), format="svg")
+    else:
+        fig.savefig(str(path), format="png")
+    logger.info("wrote Gantt chart (%s view, %d rows) to %s", view, num_rows, path)
+
+
+def _draw_worker_rows(ax: Axes, schedule: Schedule, layout: GanttLayout, min_ms: float) -> None:
+    """One bar per action, one compound path per (op, re-routed); failed rows greyed and crossed."""
+    from matplotlib.patches import PathPatch
+
+    x_max = ax.get_xlim()[1]
+    num_bars = sum(len(v) for v in layout.bars.values())
     if layout.failed_rows:
         failed_spans = [(r, 0.0, x_max) for r in layout.failed_rows]
         _add_bars(
@@ -154,32 +209,36 @@ def write_gantt(schedule: Schedule, job: JobSpec, path: str | Path, title: str |
                 ),
             )
     if num_bars <= _MAX_BAR_LABELS:
-        _label_bars(ax, schedule, layout, min_ms=x_max * 0.3 / (width - left - right))
-
-    ax.set_xlim(0.0, x_max * 1.01)
-    ax.set_ylim(num_rows - 0.5, -0.5)
-    row_pt = (height - top - bottom) * 72 / num_rows
-    _draw_row_labels(ax, layout, label_size, stride=max(1, math.ceil(label_size * 1.15 / row_pt)))
+        _label_bars(ax, schedule, layout, min_ms=min_ms)
     _draw_stage_separators(ax, layout)
-    ax.set_xlabel("time in the first iteration (ms)", fontsize=8)
-    ax.set_ylabel("worker [pipeline, stage]", fontsize=7)
-    ax.yaxis.set_label_coords(-(left - 0.12) / (width - left - right), 0.5)
-    ax.tick_params(axis="x", labelsize=7)
-    ax.grid(axis="x", linewidth=0.3, alpha=0.5)
-    ax.set_axisbelow(True)
-    # A figure title, not ax.set_title: the latter measures every row label to place itself.
-    fig.suptitle(heading, fontsize=9, y=1 - 0.1 / height, va="top")
 
-    present = {op for op, _ in layout.bars}
-    handles = [Patch(facecolor=OP_COLOURS[op], label=op) for op in _OP_ORDER if op in present]
-    if any(rerouted for _, rerouted in layout.bars):
+
+def _mark_iteration_time(ax: Axes, t_ms: float) -> None:
+    """A dashed vertical line at T and a bold "T = ..." tick label (nearby ticks dropped)."""
+    if t_ms <= 0:
+        return
+    ax.axvline(t_ms, color="black", linestyle="--", linewidth=1.0, zorder=5)
+    lo, hi = ax.get_xlim()
+    ticks = [x for x in ax.get_xticks() if lo <= x <= hi and abs(x - t_ms) > 0.08 * (hi - lo)]
+    labels = [f"{x:g}" for x in ticks] + [f"T = {t_ms:.1f}"]
+    ax.set_xticks([*ticks, t_ms], labels)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.get_xticklabels()[-1].set_fontweight("bold")
+
+
+def _draw_legend(ax: Axes, present: set[str], rerouted: bool, failed: bool) -> None:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles: list[Patch | Line2D] = [
+        Patch(facecolor=OP_COLOURS[op], label=op) for op in _OP_ORDER if op in present
+    ]
+    if rerouted:
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="////", label="re-routed"))
-    if layout.failed_rows:
+    if failed:
         handles.append(Patch(facecolor=_FAILED_GREY, edgecolor="#7F7F7F", hatch="xx", label="failed"))
-    if handles:
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
-    fig.savefig(str(path), format="png")
-    logger.info("wrote Gantt chart (%d rows, %d bars) to %s", len(layout.rows), num_bars, path)
+    handles.append(Line2D([], [], color="black", linestyle="--", label="iteration time T"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
 
 
 def _add_bars(ax: Axes, patch: Artist) -> None:
@@ -215,7 +274,7 @@ def _label_bars(ax: Axes, schedule: Schedule, layout: GanttLayout, min_ms: float
                 ax.text(mid, row, f"{a.mb[0]},{a.mb[1]}", ha="center", va="center", fontsize=6, color="white")
 
 
-def _draw_row_labels(ax: Axes, layout: GanttLayout, size: float, stride: int) -> None:
+def _draw_row_labels(ax: Axes, labels: list[str], failed_rows: set[int], size: float, stride: int) -> None:
     """Row labels as plain texts left of the axes (y ticks cost a Tick object per row).
 
     Past ~350 rows the height cap makes rows thinner than a label: then every `stride`-th row
@@ -225,8 +284,7 @@ def _draw_row_labels(ax: Axes, layout: GanttLayout, size: float, stride: int) ->
 
     ax.set_yticks([])
     to_data = blended_transform_factory(ax.transAxes, ax.transData)
-    failed_rows = set(layout.failed_rows)
-    for row, label in enumerate(layout.labels):
+    for row, label in enumerate(labels):
         if row % stride and row not in failed_rows:
             continue
         colour = "#A0A0A0" if row in failed_rows else "black"

@@ -44,15 +44,26 @@ def _check_shape(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> No
             raise ValueError(f"rows[{i}]: has {len(row)} cells but there are {len(headers)} headers")
 
 
-def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]], markdown: bool = False) -> str:
+def render_table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[object]],
+    markdown: bool = False,
+    align: str | None = None,
+) -> str:
     """Render `rows` under `headers` as aligned plain-text columns, or as a GitHub markdown table.
 
     Takes any sequences (lists of lists, tuples, ...). Plain text: a header line, a line of dashes
     under each column, then one line per row; columns are separated by two spaces and trailing
-    spaces are stripped. Raises ValueError when a row's length differs from the number of headers.
+    spaces are stripped. `align`: one "l" or "r" per column (e.g. "lrrr" for preformatted numbers);
+    default: numbers right, the rest left. Raises ValueError when a row's length differs from the
+    number of headers, or `align` from the number of columns.
     """
     _check_shape(headers, rows)
     numeric = _numeric_columns(rows, len(headers))
+    if align is not None:
+        if len(align) != len(headers) or set(align) - {"l", "r"}:
+            raise ValueError(f"align {align!r}: expected one 'l' or 'r' per column ({len(headers)})")
+        numeric = [a == "r" for a in align]
     cells = [[format_cell(v) for v in row] for row in rows]
     if markdown:
         return _render_markdown(list(headers), cells, numeric)

@@ -1,0 +1,84 @@
+"""The planner's environment settings: one place for every RECYCLE_* variable the planner reads.
+
+Read when a plan starts (not at import), so a variable set after import still counts. `recycle --help`
+and docs/configuration.md list these fields; tests/test_settings.py checks that they agree.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TypeVar
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from planner.errors import InvalidInputError
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+class PlannerSettings(BaseSettings):
+    """Planner limits; env var = RECYCLE_ + upper-case field name."""
+
+    model_config = SettingsConfigDict(env_prefix="RECYCLE_", extra="ignore")
+
+    solver_time_limit_s: float = Field(
+        default=10.0, gt=0, description="Default CP-SAT time limit of library calls to plan(), seconds."
+    )
+    greedy_budget_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="How long the greedy portfolio may try further policies, seconds (never longer than "
+        "the plan's time limit).",
+    )
+    cpsat_max_ops: int = Field(
+        default=8000, ge=0, description="Largest model (ops per iteration) given to CP-SAT; larger: greedy."
+    )
+
+    @property
+    def solver_time_limit(self) -> timedelta:
+        """`solver_time_limit_s` as a timedelta."""
+        return timedelta(seconds=self.solver_time_limit_s)
+
+    @property
+    def greedy_budget(self) -> timedelta:
+        """`greedy_budget_s` as a timedelta."""
+        return timedelta(seconds=self.greedy_budget_s)
+
+
+def planner_settings() -> PlannerSettings:
+    """The planner settings from the environment now (cheap; not cached, so tests can set variables)."""
+    return load_settings(PlannerSettings)
+
+
+def load_settings(cls: type[S]) -> S:
+    """`cls()` from the environment; a bad value is an InvalidInputError naming the variable."""
+    try:
+        return cls()
+    except ValidationError as exc:
+        prefix = str(cls.model_config.get("env_prefix", "")).upper()
+        problems = "; ".join(
+            f"{prefix}{'.'.join(str(p) for p in e['loc']).upper()} ({'.'.join(str(p) for p in e['loc'])}): "
+            f"{e['msg']}"
+            for e in exc.errors()
+        )
+        raise InvalidInputError(f"bad environment variable: {problems}") from None
+
+
+def environment_rows(*classes: type[BaseSettings]) -> list[tuple[str, str, str]]:
+    """(variable, default, description) of every field of the given settings classes, in order: the
+    one source for `recycle --help` and docs/configuration.md."""
+    rows = []
+    for cls in classes:
+        prefix = str(cls.model_config.get("env_prefix", ""))
+        for name, field in cls.model_fields.items():
+            default = "unset" if field.default is None else str(field.default)
+            rows.append(((prefix + name).upper(), default, field.description or ""))
+    return rows
+
+
+def environment_markdown(*classes: type[BaseSettings]) -> str:
+    """The variables of `classes` as a Markdown table."""
+    lines = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    lines += [f"| `{var}` | {default} | {text} |" for var, default, text in environment_rows(*classes)]
+    return "\n".join(lines) + "\n"
