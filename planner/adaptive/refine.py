@@ -31,7 +31,10 @@ def refine_with_cpsat(
 
     def on_progress(elapsed: float, period: float, bound: float) -> None:
         if progress:
-            progress(f"cp-sat {elapsed:5.1f}s: period {period:.3f} ms, bound {bound:.3f} ms")
+            progress(
+                f"cp-sat {elapsed:.1f} s in: best iteration period {period:.3f} ms, "
+                f"proven lower bound {bound:.3f} ms"
+            )
 
     outcome = improve_orders(
         problem, hint, time_limit=time_limit, lower_bound_ms=lower_bound_ms, progress=on_progress
