@@ -215,39 +215,3 @@ def simulate(
         out[name] = run.finish(duration_s, job, gpus_per_worker, base_rate)
         log.info("%s: %.3g samples, %d restarts", name, out[name].samples, out[name].restarts)
     return out
-
-
-def render_runs(runs: dict[str, RunFigures]) -> str:
-    """Plain-text table of the figures, one row per strategy."""
-    head = [
-        "strategy",
-        "samples",
-        "samples/s",
-        "vs 1F1B",
-        "vs own",
-        "recovery h",
-        "lost h",
-        "ckpt h",
-        "stalled h",
-        "fallbacks",
-    ]
-    rows = [head]
-    for name, r in runs.items():
-        rows.append(
-            [
-                name,
-                f"{r.samples:.4g}",
-                f"{r.effective_throughput:.2f}",
-                f"{r.retained_vs_1f1b:.1%}",
-                f"{r.retained_vs_own:.1%}",
-                f"{r.recovery_s / 3600:.2f}",
-                f"{r.lost_work_s / 3600:.2f}",
-                f"{r.checkpoint_s / 3600:.2f}",
-                f"{r.stalled_s / 3600:.2f}",
-                str(r.checkpoint_fallbacks),
-            ]
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    gpu_h = next(iter(runs.values())).gpu_hours if runs else 0.0
-    return "\n".join([*lines, f"GPU-hours (allocated, every strategy): {gpu_h:.0f}"])
