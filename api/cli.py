@@ -2,33 +2,86 @@
 
 planner/cli.py hooks this in with add_serve_parser(sub); settings not given as flags come from the
 environment (RECYCLE_*), so `RECYCLE_CONTROLLER_TOKEN=... recycle serve --data-dir /var/lib/recycle`.
+
+Every flag is checked before anything starts, and the listening socket is bound before the solver
+processes are spawned: a bad flag, an unusable data directory, an unknown host or a port in use is a
+one-line `error: ...` on stderr and exit code 2, never a traceback or a service on another port.
+SIGTERM stops the service like SIGINT (Ctrl+C): gracefully, exit code 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import math
 import os
+import re
+import signal
+import socket
 import sys
 from pathlib import Path
+from types import FrameType
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+_HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+EXIT_INPUT = 2
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port 1..65535, or 0 (the system picks a free port; it is printed)."""
+    try:
+        port = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1..65535, or 0)") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (1..65535, or 0 for a free port)")
+    return port
+
+
+def host_name(text: str) -> str:
+    """argparse type: an IPv4/IPv6 address or a host name (resolved when the socket is bound)."""
+    try:
+        return str(ipaddress.ip_address(text.strip("[]")))
+    except ValueError:
+        pass
+    if len(text) > 253 or _HOSTNAME.fullmatch(text) is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an IP address nor a host name")
+    return text
+
+
+def keep_alive_seconds(text: str) -> int:
+    """argparse type: whole seconds 1..3600 (uvicorn takes an integer)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or not 1 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text} is not between 1 and 3600 seconds")
+    return round(value)
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add the `serve` subcommand to the `recycle` parser's subparsers."""
     s = sub.add_parser("serve", help="run the planner service (FastAPI + uvicorn)")
-    s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--host", type=host_name, default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    s.add_argument(
+        "--port",
+        type=port_number,
+        default=8000,
+        help="port 1..65535 (default 8000); 0 picks a free port and prints it",
+    )
     s.add_argument("--data-dir", help="SQLite store directory (default $RECYCLE_DATA_DIR or ./recycle-data)")
     s.add_argument(
         "--insecure-dev",
         action="store_true",
         help="run without a controller token (no auth)",
     )
-    s.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    s.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="uvicorn log level (default info)")
     s.add_argument(
         "--keep-alive",
-        type=float,
-        default=75.0,
-        help="idle keep-alive seconds for polling workers (default 75)",
+        type=keep_alive_seconds,
+        default=75,
+        help="idle keep-alive seconds for polling workers, 1..3600 (default 75)",
     )
     s.add_argument(
         "--no-access-log",
@@ -38,8 +91,58 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     s.set_defaults(func=cmd_serve)
 
 
+def _stop(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM handler outside uvicorn's own: stop like Ctrl+C does (uvicorn re-raises the signal it
+    caught once it has shut down; with the default action that would end the process by the signal,
+    skipping the interpreter's clean-up, which is what left the solver pools' semaphores behind)."""
+    raise KeyboardInterrupt
+
+
+def check_data_dir(path: Path) -> str | None:
+    """None when `path` is (or can be made) a writable directory, else the reason it is not."""
+    if path.exists() and not path.is_dir():
+        return f"--data-dir {path}: exists and is not a directory"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"--data-dir {path}: cannot create it ({exc.strerror or exc})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"--data-dir {path}: not writable"
+    return None
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket (bound before anything else starts); OSError with a readable message."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise OSError(f"--host {host}: cannot resolve it ({exc.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(4096)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Start uvicorn on the app; exit code 2 when there is no controller token and no --insecure-dev."""
+    """Start uvicorn on the app. Exit code 2 for a bad setting (no controller token and no
+    --insecure-dev, an unusable data directory, a host or port that cannot be bound), 0 after a
+    graceful stop (SIGINT or SIGTERM), 1 when the application failed to start."""
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        return _serve(args)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.main import create_app
@@ -52,23 +155,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
         overrides["insecure_dev"] = True
     settings = Settings(**overrides)  # type: ignore[arg-type]
     try:
-        app = create_app(settings)
+        settings.check_startable()
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_INPUT
+    problem = check_data_dir(settings.data_dir)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_INPUT
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    port = int(sock.getsockname()[1])
+    if args.port == 0:
+        shown = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"recycle serve: listening on http://{shown}:{port}", file=sys.stderr, flush=True)
     if settings.insecure_dev and settings.controller_token is None:
         print("warning: --insecure-dev: every endpoint is open to anyone who can reach it", file=sys.stderr)
-    uvicorn.run(
-        app,
+    config = uvicorn.Config(
+        create_app(settings),
         host=args.host,
-        port=args.port,
+        port=port,
         log_level=args.log_level,
-        workers=1,
-        timeout_keep_alive=int(args.keep_alive),
+        timeout_keep_alive=args.keep_alive,
         backlog=4096,
         access_log=not args.no_access_log,
     )
-    return 0
+    server = uvicorn.Server(config)
+    with sock:
+        server.run(sockets=[sock])
+    return 0 if server.started else 1
 
 
 def main(argv: list[str] | None = None) -> int:

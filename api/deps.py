@@ -47,12 +47,13 @@ class Principal:
 
     role: Literal["controller", "worker"]
     job_id: str | None = None
+    token_job: str | None = None  # the job whose worker token was presented (heartbeats count for it)
 
 
 def authenticate(token: str | None, settings: Settings, service: JobService) -> Principal:
     """Map a bearer token to a Principal, or raise 401."""
     if settings.controller_token is None and settings.insecure_dev:
-        return Principal("controller")
+        return Principal("controller", token_job=service.job_id_for_token(token) if token else None)
     if token:
         if settings.controller_token is not None and hmac.compare_digest(
             token.encode(), settings.controller_token.get_secret_value().encode()
@@ -60,7 +61,7 @@ def authenticate(token: str | None, settings: Settings, service: JobService) -> 
             return Principal("controller")
         job_id = service.job_id_for_token(token)
         if job_id is not None:
-            return Principal("worker", job_id)
+            return Principal("worker", job_id, token_job=job_id)
     raise HTTPException(401, "missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
 
 

@@ -100,7 +100,9 @@ async def answer_poll(app: FastAPI, scope: Scope, receive: Receive, send: Send) 
         w = (d, s)
     inm = headers.get(b"if-none-match")
     after = max(int(params.get("after_version", "0")), etag_version(None if inm is None else inm.decode()))
-    body, etag = await long_poll(service, rt, w, after, float(params.get("wait", "0")), receive)
+    wait = float(params.get("wait", "0"))
+    beat = principal.token_job == job_id
+    body, etag = await long_poll(service, rt, w, after, wait, receive, heartbeat=beat)
     raw: list[tuple[bytes, bytes]] = [(b"etag", etag.encode())]
     if body is not None:
         raw += [(b"content-length", b"%d" % len(body)), (b"content-type", b"application/json")]

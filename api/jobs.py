@@ -21,8 +21,9 @@ from typing import Any
 import pydantic_core
 
 from api.errors import EventConflictError, JobNotFoundError
+from api.idempotency import new_record
 from api.metrics import Metrics
-from api.models import EventIn, JobCreate
+from api.models import EventIn, JobCreate, JobCreated
 from api.rules import apply_change, check_dimensions
 from api.settings import Settings
 from api.solver import Solver, raise_error, relabel_canonical
@@ -40,6 +41,20 @@ Worker = tuple[int, int]
 def hash_token(token: str) -> str:
     """What the store keeps of a worker token."""
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def event_result(
+    job_id: str, event_id: str, version: int, state: str, source: str | None, scenario: FailureScenario,
+    lost_stages: list[int],
+) -> dict[str, object]:  # fmt: skip
+    """The answer to an event (`changed` False: the caller sets it when the event made a version)."""
+    result: dict[str, object] = {
+        "event_id": event_id, "job_id": job_id, "version": version, "state": state, "source": source,
+        "failed": [list(w) for w in scenario.failed], "changed": False, "replayed": False,
+    }  # fmt: skip
+    if lost_stages:
+        result["unrecoverable_stages"] = lost_stages
+    return result
 
 
 @dataclass
@@ -103,8 +118,11 @@ class JobService:
         """The job whose worker token this is, if any (from memory: every job of this process is loaded)."""
         return self._token_jobs.get(hash_token(token))
 
-    async def create(self, req: JobCreate) -> tuple[JobRuntime, str]:
-        """Register a job, publish version 1 (failure-free plan); returns the runtime and worker token."""
+    async def create(self, req: JobCreate, idempotency_key: str | None = None) -> tuple[JobRuntime, str]:
+        """Register a job, publish version 1 (failure-free plan); returns the runtime and worker token.
+
+        With `idempotency_key` (checked and not yet used: see api/idempotency.py), the key and the
+        answer are stored in the job's own transaction."""
         check_dimensions(req.job, self.settings)
         if req.max_failures > self.settings.max_failures_cap:
             raise InvalidInputError(
@@ -121,7 +139,11 @@ class JobService:
             heartbeat_enabled=req.heartbeat_enabled,
             heartbeat_timeout_s=req.heartbeat_timeout_s,
         )
-        self.store.create_job(rec)
+        idem = None
+        if idempotency_key is not None:
+            answer = JobCreated(id=rec.id, worker_token=token, version=1, state="running")
+            idem = new_record(idempotency_key, req, answer)
+        self.store.create_job(rec, idem)
         rt = JobRuntime(record=rec, job=req.job, scenario=FailureScenario())
         self.jobs[rec.id] = rt
         self._token_jobs[rec.worker_token_hash] = rec.id
@@ -181,19 +203,12 @@ class JobService:
             return json.loads(rec.result_json), []
 
     def _result(self, rt: JobRuntime, event_id: str, version: int, changed: bool) -> dict[str, object]:
-        result: dict[str, object] = {
-            "event_id": event_id,
-            "job_id": rt.record.id,
-            "version": version,
-            "state": rt.record.state,
-            "source": None if rt.view is None else rt.view.source,
-            "failed": [list(w) for w in rt.scenario.failed],
-            "changed": changed,
-            "replayed": False,
-        }
-        if rt.record.unrecoverable_stages:
-            result["unrecoverable_stages"] = rt.record.unrecoverable_stages
-        return result
+        source = None if rt.view is None else rt.view.source
+        rec = rt.record
+        result = event_result(
+            rec.id, event_id, version, rec.state, source, rt.scenario, rec.unrecoverable_stages
+        )
+        return {**result, "changed": changed}
 
     async def _install(self, rt: JobRuntime, scenario: FailureScenario, event: EventRecord | None) -> None:
         """Pick a schedule for `scenario` and publish it as the next version (lock held by caller)."""
@@ -246,19 +261,8 @@ class JobService:
             rec.id, rec.version + 1, scenario_json, schedule_json, source, itime, cause, time.time()
         )
         if event is not None:
-            result: dict[str, object] = {
-                "event_id": event.event_id,
-                "job_id": rec.id,
-                "version": ver.version,
-                "state": state,
-                "source": source,
-                "failed": [list(w) for w in scenario.failed],
-                "changed": True,
-                "replayed": False,
-            }
-            if lost_stages:
-                result["unrecoverable_stages"] = lost_stages
-            event.result_json = json.dumps(result)
+            result = event_result(rec.id, event.event_id, ver.version, state, source, scenario, lost_stages)
+            event.result_json = json.dumps({**result, "changed": True})
         update = {"state": state, "unrecoverable_stages": lost_stages, "scenario_json": scenario_json}
         self.store.apply(rec.id, update, version=ver, event=event)
         if scenario != rt.scenario:

@@ -64,6 +64,28 @@ class JobStatus(BaseModel):
     created_at: float
 
 
+class JobSummary(BaseModel):
+    """One job in GET /v1/jobs."""
+
+    id: str
+    name: str
+    created_at: float = Field(description="Registration time, seconds since the epoch.")
+    state: Literal["running", "needs_restore"]
+    version: int
+    num_pipelines: int = Field(description="D")
+    num_stages: int = Field(description="P")
+    failed: list[Worker] = Field(description="The failed workers [d, s] of the current version.")
+
+
+class JobList(BaseModel):
+    """GET /v1/jobs answer: newest first."""
+
+    jobs: list[JobSummary]
+    next_cursor: str | None = Field(
+        description="Pass as `cursor` for the next (older) page; null on the last page."
+    )
+
+
 class EventIn(BaseModel):
     """POST /v1/jobs/{id}/events body. Idempotent by event_id."""
 

@@ -17,6 +17,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from concurrent.futures import Executor, ProcessPoolExecutor
@@ -181,6 +182,25 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+class QuietPool(ProcessPoolExecutor):
+    """A process pool whose processes ignore Ctrl+C: SIGINT is blocked while they are spawned.
+
+    Ctrl+C in a terminal (and `kill -INT -PGID`) signals the whole process group. Pool processes
+    that took it printed a KeyboardInterrupt traceback each (while idle in the call queue or still
+    importing) before the service had even begun its graceful shutdown, which ends them itself.
+    A blocked signal mask is inherited across fork and exec, from the thread that spawns (the one
+    calling submit), so it covers the processes' start-up too; the caller's own mask is restored
+    at once, and a SIGINT that came meanwhile is delivered to it then.
+    """
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            return super().submit(fn, *args, **kwargs)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 class Solver:
     """The process pools and the background priority queue."""
 
@@ -188,9 +208,9 @@ class Solver:
         ctx = multiprocessing.get_context("spawn")
         kw: dict[str, Any] = {"mp_context": ctx, "initializer": _exit_with_parent, "initargs": (os.getpid(),)}
         self._pool_kw = kw
-        self.events: Executor = ProcessPoolExecutor(events_processes, **kw)
-        self.whatif: Executor = ProcessPoolExecutor(1, **kw)
-        self.background: Executor = ProcessPoolExecutor(background_processes, **kw)
+        self.events: Executor = QuietPool(events_processes, **kw)
+        self.whatif: Executor = QuietPool(1, **kw)
+        self.background: Executor = QuietPool(background_processes, **kw)
         self._num_background = background_processes
         self._queue: asyncio.PriorityQueue[tuple[int, int, tuple[Any, ...], asyncio.Future[Any]]] = (
             asyncio.PriorityQueue()
@@ -228,7 +248,7 @@ class Solver:
         for name in ("events", "whatif", "background"):
             if getattr(self, name) is broken:
                 size = getattr(broken, "_max_workers", 1)
-                fresh = ProcessPoolExecutor(size, **self._pool_kw)
+                fresh = QuietPool(size, **self._pool_kw)
                 setattr(self, name, fresh)
                 broken.shutdown(wait=False, cancel_futures=True)
                 log.error("solver: the %s pool broke (a process died); replaced it", name)
@@ -260,12 +280,22 @@ class Solver:
                 fut.set_result(out)
 
     def shutdown(self) -> None:
-        """Stop consumers and pools; running solves in pool processes are terminated."""
+        """Stop consumers and pools; running solves in pool processes are terminated.
+
+        Waits (a few seconds at most) for the pools' manager threads: one still closing its wake-up
+        pipe while the interpreter exits made concurrent.futures' exit hook write to a closed pipe
+        (an "OSError: Bad file descriptor" traceback on a quick stop).
+        """
         for task in self._consumers:
             task.cancel()
+        managers = []
         for pool in (self.events, self.whatif, self.background):
             procs = list(getattr(pool, "_processes", {}).values())
+            managers.append(getattr(pool, "_executor_manager_thread", None))
             pool.shutdown(wait=False, cancel_futures=True)
             for p in procs:
                 if p.is_alive():
                     p.terminate()
+        for thread in managers:
+            if thread is not None:
+                thread.join(timeout=5)

@@ -11,9 +11,30 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
+
+from api.records import (
+    EventRecord,
+    IdempotencyRecord,
+    JobRecord,
+    PlanRecord,
+    Store,
+    VersionConflictError,
+    VersionRecord,
+)
+
+__all__ = [
+    "EventRecord",
+    "IdempotencyRecord",
+    "JobRecord",
+    "PlanRecord",
+    "SQLiteStore",
+    "Store",
+    "VersionConflictError",
+    "VersionRecord",
+]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -33,93 +54,10 @@ CREATE TABLE IF NOT EXISTS events (
     PRIMARY KEY (job_id, event_id));
 CREATE TABLE IF NOT EXISTS plans (
     key TEXT PRIMARY KEY, schedule_json TEXT NOT NULL, source TEXT NOT NULL, iteration_time_ms REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS idempotency (
+    key_hash TEXT PRIMARY KEY, request_hash TEXT NOT NULL, job_id TEXT NOT NULL, status_code INTEGER NOT NULL,
+    response_json TEXT NOT NULL, token_cipher TEXT NOT NULL, created_at REAL NOT NULL);
 """
-
-
-@dataclass
-class JobRecord:
-    """One registered job and its current state."""
-
-    id: str
-    name: str
-    spec_json: str
-    worker_token_hash: str
-    created_at: float
-    state: str = "running"
-    max_failures: int = 2
-    heartbeat_enabled: bool = True
-    heartbeat_timeout_s: float | None = None
-    scenario_json: str = '{"failed": [], "slow": []}'
-    version: int = 0
-    unrecoverable_stages: list[int] = field(default_factory=list)
-    precompute_total: int = 0
-    precompute_done: int = 0
-
-
-@dataclass
-class VersionRecord:
-    """One schedule version of a job (versions start at 1 and grow by 1)."""
-
-    job_id: str
-    version: int
-    scenario_json: str
-    schedule_json: str
-    source: str
-    iteration_time_ms: float
-    cause: str | None
-    created_at: float
-
-
-@dataclass
-class EventRecord:
-    """An applied event and the answer given, replayed verbatim for a repeated event_id."""
-
-    job_id: str
-    event_id: str
-    seq: int
-    body_json: str
-    status_code: int
-    result_json: str
-    created_at: float
-
-
-@dataclass
-class PlanRecord:
-    """The best known canonical schedule for a normalized scenario key."""
-
-    key: str
-    schedule_json: str
-    source: str
-    iteration_time_ms: float
-
-
-class VersionConflictError(RuntimeError):
-    """apply() was given a version that is not the job's current version + 1."""
-
-
-class Store(Protocol):
-    """What the service needs from persistence."""
-
-    def create_job(self, job: JobRecord) -> None: ...
-    def get_job(self, job_id: str) -> JobRecord | None: ...
-    def list_jobs(self) -> list[JobRecord]: ...
-    def job_id_for_token_hash(self, token_hash: str) -> str | None: ...
-    def apply(
-        self,
-        job_id: str,
-        job_update: dict[str, Any],
-        version: VersionRecord | None = None,
-        event: EventRecord | None = None,
-    ) -> None: ...
-    def get_version(self, job_id: str, version: int) -> VersionRecord | None: ...
-    def latest_version(self, job_id: str) -> VersionRecord | None: ...
-    def list_versions(self, job_id: str) -> list[tuple[int, str, float, str | None, float]]: ...
-    def get_event(self, job_id: str, event_id: str) -> EventRecord | None: ...
-    def list_events(self, job_id: str, limit: int = 100) -> list[EventRecord]: ...
-    def put_plan(self, plan: PlanRecord) -> bool: ...
-    def get_plan(self, key: str) -> PlanRecord | None: ...
-    def plan_keys(self, keys: list[str]) -> set[str]: ...
-    def close(self) -> None: ...
 
 
 _JOB_COLS = [f for f in JobRecord.__dataclass_fields__]
@@ -142,6 +80,11 @@ def _job_values(update: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise KeyError(f"unknown job fields: {sorted(unknown)}")
     return out
+
+
+def _insert(db: sqlite3.Connection, table: str, vals: dict[str, Any]) -> None:
+    marks = ", ".join("?" for _ in vals)
+    db.execute(f"INSERT INTO {table} ({', '.join(vals)}) VALUES ({marks})", tuple(vals.values()))
 
 
 class SQLiteStore:
@@ -171,13 +114,27 @@ class SQLiteStore:
         with self._lock:
             return list(self._db.execute(sql, args).fetchall())
 
-    def create_job(self, job: JobRecord) -> None:
-        """Insert a new job (its id and token hash must be unused)."""
+    def create_job(self, job: JobRecord, idempotency: IdempotencyRecord | None = None) -> None:
+        """Insert a new job (its id and token hash must be unused), and the Idempotency-Key record
+        that names it, in one transaction: a retry after a lost answer finds both or neither."""
         values = _job_values(asdict(job))
         cols = ", ".join(values)
         marks = ", ".join("?" for _ in values)
         with self._lock:
-            self._db.execute(f"INSERT INTO jobs ({cols}) VALUES ({marks})", tuple(values.values()))
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute(f"INSERT INTO jobs ({cols}) VALUES ({marks})", tuple(values.values()))
+                if idempotency is not None:
+                    _insert(db, "idempotency", asdict(idempotency))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    def get_idempotency(self, key_hash: str) -> IdempotencyRecord | None:
+        row = self._one("SELECT * FROM idempotency WHERE key_hash = ?", (key_hash,))
+        return None if row is None else IdempotencyRecord(**dict(row))
 
     def get_job(self, job_id: str) -> JobRecord | None:
         row = self._one("SELECT * FROM jobs WHERE id = ?", (job_id,))

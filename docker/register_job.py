@@ -8,7 +8,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+import urllib.error
 import urllib.request
+import uuid
 
 
 def main() -> int:
@@ -22,10 +25,22 @@ def main() -> int:
         headers={
             "Content-Type": "application/json",
             "Authorization": f"Bearer {os.environ['RECYCLE_CONTROLLER_TOKEN']}",
+            # one key for every attempt: a retry after a lost answer gets the same job, not a second
+            "Idempotency-Key": str(uuid.uuid4()),
         },
     )
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        created = json.load(resp)
+    for attempt in range(5):
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                created = json.load(resp)
+            break
+        except urllib.error.HTTPError:
+            raise
+        except (urllib.error.URLError, TimeoutError) as exc:
+            if attempt == 4:
+                raise
+            print(f"register: {exc}; retrying", file=sys.stderr)
+            time.sleep(2**attempt)
     with open(out_path, "w") as f:
         f.write(f"RECYCLE_JOB_ID={created['id']}\nRECYCLE_WORKER_TOKEN={created['worker_token']}\n")
     print(f"registered job {created['id']} (version {created['version']})")

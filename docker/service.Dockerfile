@@ -14,7 +14,10 @@ COPY planner ./planner
 COPY api ./api
 COPY bench ./bench
 COPY runtime_adapter ./runtime_adapter
+COPY whatif ./whatif
 COPY examples ./examples
+# the compose demo's job spec and registration step
+COPY docker/tiny-d2p2.json docker/register_job.py ./docker/
 # Versions are pinned by pyproject.toml's ranges (the project itself is what is installed here).
 # hadolint ignore=DL3013
 RUN pip install ".[service]" \

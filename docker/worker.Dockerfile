@@ -12,11 +12,15 @@ COPY planner ./planner
 COPY api ./api
 COPY bench ./bench
 COPY runtime_adapter ./runtime_adapter
+COPY whatif ./whatif
 COPY examples ./examples
+# the compose demo's job spec and registration step
+COPY docker/tiny-d2p2.json docker/register_job.py ./docker/
 # The project itself with --no-deps keeps ortools and matplotlib out: a worker needs only the wire
-# schemas (pydantic), an HTTP client and torch (keep the torch pin equal to pyproject's `worker` extra;
-# on x86_64 Linux PyPI's torch wheel is the CUDA build, which NCCL workers on GPUs need).
-RUN pip install "pydantic>=2.6,<2.15" "httpx>=0.27" "torch==2.13.0" \
+# schemas (pydantic), the RECYCLE_* settings (pydantic-settings), an HTTP client and torch (keep the
+# torch pin equal to pyproject's `worker` extra; on x86_64 Linux PyPI's torch wheel is the CUDA build,
+# which NCCL workers on GPUs need).
+RUN pip install "pydantic>=2.6,<2.15" "pydantic-settings>=2.2" "httpx>=0.27" "torch==2.13.0" \
     && pip install --no-deps . \
     && useradd --system --uid 10001 recycle
 

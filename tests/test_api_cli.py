@@ -1,17 +1,25 @@
-"""The serve command: refuses to start without a controller token; serves with one."""
+"""The serve command: refuses bad flags and a missing controller token with one line and exit code 2;
+stops cleanly (exit 0, no traceback, no leaked semaphores) on SIGTERM or Ctrl+C soon after start."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("fastapi")
+import httpx
 
 from api.cli import add_serve_parser
+from tests.jobs import service_job_doc
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(60)
@@ -38,3 +46,94 @@ def test_serve_parser_flags() -> None:
     )
     assert (args.host, args.port, args.data_dir, args.insecure_dev) == ("0.0.0.0", 9, "d", True)
     assert args.func.__name__ == "cmd_serve"
+
+
+def run_serve(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "RECYCLE_CONTROLLER_TOKEN": "t"}
+    cmd = [sys.executable, "-m", "api.cli", "--data-dir", str(tmp_path / "data"), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--port", "99999"], "99999 is not a port number"),
+        (["--port", "-1"], "is not a port number"),
+        (["--port", "80x"], "is not a port number"),
+        (["--host", "not a host!"], "neither an IP address nor a host name"),
+        (["--keep-alive", "0"], "not between 1 and 3600"),
+        (["--keep-alive", "nan"], "not between 1 and 3600"),
+        (["--log-level", "loud"], "invalid choice"),
+    ],
+)
+def test_serve_rejects_bad_flags(args: list[str], message: str, tmp_path: Path) -> None:
+    r = run_serve(args, tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "data").exists()  # nothing started
+
+
+def test_serve_rejects_unusable_data_dir_and_busy_port(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    r = run_serve(["--port", "0"], tmp_path / "file")  # data dir below a regular file
+    assert r.returncode == 2 and r.stderr.startswith("error: --data-dir") and "Traceback" not in r.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        r = run_serve(["--port", str(busy.getsockname()[1])], tmp_path)
+    assert r.returncode == 2 and "cannot listen on 127.0.0.1:" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1  # one line, before any process was started
+    r = run_serve(["--port", "0", "--host", "no-such-host.invalid"], tmp_path)
+    assert r.returncode == 2 and "--host no-such-host.invalid: cannot resolve it" in r.stderr, r.stderr
+
+
+def test_serve_port_values_parse() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    for text, value in (("1", 1), ("65535", 65535), ("0", 0)):
+        assert parser.parse_args(["serve", "--port", text]).port == value
+    assert parser.parse_args(["serve", "--host", "::1"]).host == "::1"
+    assert parser.parse_args(["serve", "--host", "planner.example"]).host == "planner.example"
+    assert parser.parse_args(["serve", "--keep-alive", "2.6"]).keep_alive == 3
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the service", "SIGINT to its process group (Ctrl+C)"])
+def test_quick_stop_is_clean(how: str, tmp_path: Path) -> None:
+    """Start the real service on a free port (--port 0 prints it), register a job so that the solver
+    pools are busy, and stop it a moment later: exit code 0, no traceback, no leaked semaphores."""
+    env = dict(os.environ, RECYCLE_CONTROLLER_TOKEN="t", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "api.cli", "--port", "0", "--data-dir", str(tmp_path)]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        match = re.fullmatch(r"recycle serve: listening on http://127\.0\.0\.1:(\d+)\n", line)
+        assert match, line
+        base = f"http://127.0.0.1:{match.group(1)}"
+        deadline = time.monotonic() + 30
+        while True:  # the port is bound before start-up: connections wait in the backlog
+            try:
+                if httpx.get(f"{base}/readyz", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        job = {"job": service_job_doc(3, 3, 4), "heartbeat_enabled": False}
+        r = httpx.post(f"{base}/v1/jobs", json=job, headers={"Authorization": "Bearer t"}, timeout=30)
+        assert r.status_code == 201
+        time.sleep(0.3)
+        if how.startswith("SIGTERM"):
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "leaked" not in err and "Error" not in err, err

@@ -107,3 +107,114 @@ def test_compose_store_and_register_commands() -> None:
     compile(services["store"]["command"][-1], "store", "exec")  # valid Python
     register = services["register"]["command"]
     assert (ROOT / register[1]).is_file() and (ROOT / register[3]).is_file()
+
+
+# What each image lacks: the service image installs `.[service]` (no torch), the worker image
+# pydantic, pydantic-settings, httpx and torch with the project itself --no-deps (no OR-Tools,
+# matplotlib or FastAPI).
+MISSING = {
+    "service.Dockerfile": ["torch"],
+    "worker.Dockerfile": ["ortools", "matplotlib", "fastapi", "starlette", "uvicorn"],
+}
+
+# Run in `python -I -S`: -I ignores PYTHONPATH and the user site and does not put the current or the
+# script's directory on sys.path; -S skips `site`, so no .pth file runs, in particular not the
+# editable install's finder that maps planner/api/... onto this checkout. The bootstrap then adds
+# the venv's site-packages as a plain directory (the third-party packages an image would have),
+# puts the image's /app copy first, makes the modules the image lacks unimportable, and checks that
+# every project package really comes from that copy before running the commands.
+BOOTSTRAP = r"""
+import contextlib, importlib.abc, io, json, runpy, sys, sysconfig
+app, missing, repo = sys.argv[1], set(sys.argv[2].split(",")), sys.argv[3]
+
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in missing:
+            raise ModuleNotFoundError(f"No module named {name!r} (not in this image)", name=name)
+        return None
+
+sys.meta_path.insert(0, Missing())
+sys.path.insert(0, app)
+sys.path.append(sysconfig.get_paths()["purelib"])
+assert not any(p.rstrip("/") == repo for p in sys.path), sys.path
+out = {}
+
+def run(module, argv):
+    buf = io.StringIO()
+    sys.argv = [module, *argv]
+    code = 0
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as exc:
+            code = exc.code or 0
+        except BaseException as exc:
+            import traceback
+            traceback.print_exc(file=buf)
+            code = f"{type(exc).__name__}: {exc}"
+    out[" ".join([module, *argv])] = [code, buf.getvalue()]
+
+run("planner.cli", ["--help"])
+try:
+    from planner.cli import build_parser
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    names = list(sub.choices)
+except Exception as exc:
+    names = []
+    out["build_parser()"] = [f"{type(exc).__name__}: {exc}", ""]
+for name in names:
+    run("planner.cli", [name, "--help"])
+for module in sys.argv[4:]:
+    run(module, ["--help"])
+for name, mod in list(sys.modules.items()):
+    if name.split(".")[0] in ("planner", "api", "runtime_adapter", "whatif", "bench"):
+        assert (getattr(mod, "__file__", None) or app).startswith(app), (name, mod.__file__)
+print(json.dumps(out))
+"""
+
+
+def image_files(dockerfile: Path, dest: Path) -> None:
+    """Copy what `dockerfile`'s COPY lines put in its WORKDIR (/app) from the repository to `dest`."""
+    for line in dockerfile.read_text().splitlines():
+        if not line.startswith("COPY "):
+            continue
+        *sources, target = line.split()[1:]
+        assert not any(s.startswith("--") for s in sources), f"COPY flags not handled: {line}"
+        for src in sources:
+            to = dest / target / Path(src).name if target.endswith("/") else dest / target
+            if (ROOT / src).is_dir():
+                shutil.copytree(ROOT / src, to, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                to.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / src, to)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_cli_runs_from_the_image_files(dockerfile: Path, tmp_path: Path) -> None:
+    """`recycle --help`, every subcommand's --help and the image's CMD module's --help, run with only
+    the files the Dockerfile copies (see BOOTSTRAP for how the checkout is kept off sys.path) and
+    without the packages the image does not install: every parser must build, importing lazily."""
+    import json
+    import sys
+
+    app = tmp_path / "app"
+    image_files(dockerfile, app)
+    cmd_module = exec_form(dockerfile, "CMD")[2]
+    cmd = [sys.executable, "-I", "-S", "-c", BOOTSTRAP, str(app), ",".join(MISSING[dockerfile.name]),
+           str(ROOT), cmd_module]  # fmt: skip
+    r = subprocess.run(
+        cmd, cwd=app, env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=50
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads(r.stdout.splitlines()[-1])
+    for command, (code, output) in results.items():
+        assert code == 0 and "usage:" in output, f"{dockerfile.name}: `{command}` failed:\n{output}"
+    assert len(results) >= 8, results.keys()  # recycle, its subcommands, the CMD module
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_compose_files_are_in_the_images(dockerfile: Path, tmp_path: Path) -> None:
+    """The job spec the compose workers read and the register step's script are in both images."""
+    image_files(dockerfile, tmp_path)
+    for path in ("docker/tiny-d2p2.json", "docker/register_job.py", "examples"):
+        assert (tmp_path / path).exists(), f"{dockerfile.name}: {path} is not in the image"

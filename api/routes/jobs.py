@@ -1,17 +1,32 @@
-"""/v1/jobs: register a job, read its state, flip its heartbeat switch."""
+"""/v1/jobs: register a job (idempotently with an Idempotency-Key), list jobs, read one, flip its
+heartbeat switch."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Header, Query, Request, Response
 
 from api.background import precompute
 from api.deps import ControllerDep, ReaderDep, ServiceDep
+from api.idempotency import check_key, key_hash, replayed_answer
 from api.jobs import JobRuntime, JobService
-from api.models import JobCreate, JobCreated, JobPatch, JobStatus, Precompute
+from api.models import JobCreate, JobCreated, JobList, JobPatch, JobStatus, JobSummary, Precompute
+from planner.errors import InvalidInputError
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+MAX_PAGE = 500
+
+_CREATE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    422: {"description": "Invalid job, or an Idempotency-Key already used with another body."}
+}
+_KEY_DOC = (
+    "Makes a retried registration safe: the same key with the same body answers the first answer "
+    "again (201, same body, header Idempotent-Replayed: true) instead of registering a second job; "
+    "the same key with another body is 422. Use a random key (a UUID) per registration."
+)
 
 
 def job_status(service: JobService, rt: JobRuntime) -> JobStatus:
@@ -36,15 +51,67 @@ def job_status(service: JobService, rt: JobRuntime) -> JobStatus:
     )
 
 
-@router.post("", status_code=201, response_model=JobCreated)
-async def create_job(body: JobCreate, service: ServiceDep, _: ControllerDep, request: Request) -> JobCreated:
-    """Register a job; its workers authenticate with the returned worker token (shown only once)."""
-    rt, token = await service.create(body)
+@router.post("", status_code=201, response_model=JobCreated, responses=_CREATE_RESPONSES)
+async def create_job(
+    body: JobCreate,
+    service: ServiceDep,
+    _: ControllerDep,
+    request: Request,
+    response: Response,
+    idempotency_key: Annotated[str | None, Header(description=_KEY_DOC)] = None,
+) -> JobCreated:
+    """Register a job; its workers authenticate with the returned worker token (shown only once,
+    and again to a retry with the same Idempotency-Key)."""
+    if idempotency_key is not None:
+        check_key(idempotency_key)
+        old = service.store.get_idempotency(key_hash(idempotency_key))
+        if old is not None:
+            answer = replayed_answer(old, idempotency_key, body)
+            await service.ensure_version(service.get(old.job_id))  # the first attempt may still run
+            response.headers["Idempotent-Replayed"] = "true"
+            return answer
+    rt, token = await service.create(body, idempotency_key)
     tasks: set[asyncio.Task[None]] = request.app.state.tasks
     task = asyncio.create_task(precompute(service, rt))
     tasks.add(task)
     task.add_done_callback(tasks.discard)
-    return JobCreated(id=rt.record.id, worker_token=token, version=rt.version, state=rt.record.state)
+    return JobCreated(id=rt.record.id, worker_token=token, version=1, state="running")
+
+
+@router.get("", response_model=JobList)
+async def list_jobs(
+    service: ServiceDep,
+    _: ControllerDep,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description=f"Page size (at most {MAX_PAGE}).")] = 50,
+    cursor: Annotated[
+        str | None, Query(description="next_cursor of the previous page: jobs older than it.")
+    ] = None,
+) -> JobList:
+    """Every job, newest first (controller only): id, registration time, state, version, D x P and
+    failed workers, a page at a time."""
+    order = sorted(service.jobs.values(), key=lambda rt: (rt.record.created_at, rt.record.id), reverse=True)
+    if cursor is not None:
+        after = service.jobs.get(cursor)
+        if after is None:
+            raise InvalidInputError(f"cursor: {cursor!r} is not a job id from a previous page")
+        mark = (after.record.created_at, after.record.id)
+        order = [rt for rt in order if (rt.record.created_at, rt.record.id) < mark]
+    page = order[:limit]
+    jobs = [
+        JobSummary(
+            id=rt.record.id,
+            name=rt.record.name,
+            created_at=rt.record.created_at,
+            state=rt.record.state,  # type: ignore[arg-type]
+            version=rt.record.version,
+            num_pipelines=rt.job.num_pipelines,
+            num_stages=rt.job.num_stages,
+            failed=list(rt.scenario.failed),
+        )
+        for rt in page
+    ]
+    more = len(order) > limit
+    return JobList(jobs=jobs, next_cursor=page[-1].record.id if more else None)
 
 
 @router.get("/{job_id}", response_model=JobStatus)

@@ -2,6 +2,10 @@
 
 Browsers cannot set an Authorization header from the address bar, so this page also takes the token
 as `?token=` (it then appears in access logs: use it on trusted networks only).
+
+The page keeps itself current: its script long-polls GET /v1/jobs/{id}/schedule (without `worker`,
+so never a heartbeat) with the token of its own address, and when a newer version is published it
+fetches the page again and swaps the live part (state, Gantt chart, events) in place.
 """
 
 from __future__ import annotations
@@ -24,8 +28,46 @@ _bearer = HTTPBearer(auto_error=False)
 _STYLE = (
     "body{font-family:sans-serif;margin:24px;color:#222}table{border-collapse:collapse}"
     "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}"
-    ".bad{color:#b00;font-weight:bold}.ok{color:#070;font-weight:bold}"
+    ".bad{color:#b00;font-weight:bold}.ok{color:#070;font-weight:bold}#live-status{color:#666;font-size:12px}"
 )
+
+# Long-polls the schedule with the page's own token; on a new version, re-fetches this page and
+# swaps #live. 304 (no change within `wait`) polls again at once; errors back off 5 s.
+_SCRIPT = """
+(() => {
+  const live = document.getElementById("live");
+  const status = document.getElementById("live-status");
+  const token = new URLSearchParams(location.search).get("token");
+  const headers = token ? {Authorization: "Bearer " + token} : {};
+  const poll = new URL("../v1/jobs/" + encodeURIComponent(live.dataset.job) + "/schedule", location.href);
+  const sleep = (ms) => new Promise((done) => setTimeout(done, ms));
+  async function run() {
+    for (;;) {
+      poll.search = "after_version=" + live.dataset.version + "&wait=25";
+      try {
+        const r = await fetch(poll, {headers, cache: "no-store"});
+        if (r.status === 200) {
+          await r.arrayBuffer();
+          const page = await fetch(location.href, {headers, cache: "no-store"});
+          if (!page.ok) throw new Error("HTTP " + page.status);
+          const doc = new DOMParser().parseFromString(await page.text(), "text/html");
+          const fresh = doc.getElementById("live");
+          live.replaceChildren(...fresh.childNodes);
+          live.dataset.version = fresh.dataset.version;
+          status.textContent = "live: version " + fresh.dataset.version + " shown since "
+            + new Date().toLocaleTimeString();
+        } else if (r.status !== 304) {
+          throw new Error("HTTP " + r.status);
+        }
+      } catch (err) {
+        status.textContent = "live updates paused (" + err.message + "); retrying";
+        await sleep(5000);
+      }
+    }
+  }
+  run();
+})();
+"""
 
 
 def _when(ts: float) -> str:
@@ -73,9 +115,11 @@ async def job_page(
     html = (
         f"<!doctype html><html><head><meta charset='utf-8'><title>recycle: {escape(rec.name)}</title>"
         f"<style>{_STYLE}</style></head><body><h1>Job {escape(rec.name)} <small>({rec.id})</small></h1>"
+        f"<p id='live-status'>live: updates when a new version is published</p>"
+        f"<div id='live' data-job='{escape(rec.id)}' data-version='{rec.version}'>"
         f"<table>{info}</table><h2>Schedule, version {rec.version}</h2>{chart}"
         f"<h2>Events</h2><table><tr><th>time</th><th>event_id</th><th>kind</th><th>workers</th>"
         f"<th>status</th><th>version</th></tr>{event_rows or '<tr><td colspan=6>none</td></tr>'}</table>"
-        "</body></html>"
+        f"</div><script>{_SCRIPT}</script></body></html>"
     )
     return HTMLResponse(html)

@@ -1,4 +1,5 @@
-"""/v1/jobs/{id}/schedule: the long-poll workers use. Polls with `worker` are heartbeats."""
+"""/v1/jobs/{id}/schedule: the long-poll workers use. A poll with `worker` and the job's worker token is
+that worker's heartbeat; a controller-token poll never is."""
 
 from __future__ import annotations
 
@@ -98,8 +99,10 @@ async def get_schedule(
     request: Request,
     job_id: str,
     service: ServiceDep,
-    _: ReaderDep,
-    worker: Annotated[str | None, Query(description="d,s: this worker's view; a heartbeat")] = None,
+    principal: ReaderDep,
+    worker: Annotated[
+        str | None, Query(description="d,s: this worker's view; a heartbeat with the job's worker token")
+    ] = None,
     after_version: Annotated[int, Query(ge=0, description="Wait for a version newer than this")] = 0,
     wait: Annotated[float, Query(ge=0, description="Seconds to wait (capped by the service)")] = 0.0,
     if_none_match: Annotated[str | None, Header()] = None,
@@ -108,7 +111,8 @@ async def get_schedule(
     rt = service.get(job_id)
     w = None if worker is None else parse_worker(worker, rt)
     after = max(after_version, etag_version(if_none_match))
-    body, etag = await long_poll(service, rt, w, after, wait, request.receive)
+    beat = principal.token_job == job_id
+    body, etag = await long_poll(service, rt, w, after, wait, request.receive, heartbeat=beat)
     if body is None:
         return Response(status_code=304, headers={"ETag": etag})
     return Response(body, media_type="application/json", headers={"ETag": etag})
@@ -121,17 +125,23 @@ async def long_poll(
     after: int,
     wait: float,
     receive: Receive | None = None,
+    heartbeat: bool = False,
 ) -> tuple[bytes | None, str]:
-    """The poll itself (a heartbeat when `w` is given): (body, ETag), body None for a 304 (also when
-    the client disconnected while waiting: nobody reads that answer).
+    """The poll itself: (body, ETag), body None for a 304 (also when the client disconnected while
+    waiting: nobody reads that answer).
+
+    It is a heartbeat of `w` only when `heartbeat` is true: the poll was authenticated with the job's
+    own worker token. A controller-token poll (a person trying the endpoint with curl) must not
+    start heartbeat tracking, or the worker it named would be declared failed a timeout later.
 
     Shared by the route above and by api/fastpoll.py, which answers well-formed polls without
     FastAPI's routing and dependency injection.
     """
     wait_s = min(wait, service.settings.max_wait_s)
-    if w is not None:
-        rt.last_seen[w] = time.monotonic()
-        rt.polling[w] = rt.polling.get(w, 0) + 1
+    beat = w if heartbeat else None
+    if beat is not None:
+        rt.last_seen[beat] = time.monotonic()
+        rt.polling[beat] = rt.polling.get(beat, 0) + 1
     service.metrics.pollers.inc(1)
     try:
         view = await wait_newer(rt, after, wait_s, receive)
@@ -139,9 +149,9 @@ async def long_poll(
         view = None
     finally:
         service.metrics.pollers.inc(-1)
-        if w is not None:
-            rt.polling[w] -= 1
-            rt.last_seen[w] = time.monotonic()
+        if beat is not None:
+            rt.polling[beat] -= 1
+            rt.last_seen[beat] = time.monotonic()
     if view is None:
         return None, f'"{rt.version}"'
     return (view.full() if w is None else view.for_worker(w)), f'"{view.version}"'

@@ -1,0 +1,152 @@
+"""GET /v1/jobs (listing), POST /v1/jobs with an Idempotency-Key (also across a restart), and which
+schedule polls are heartbeats (worker-token polls only, never the controller's)."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient
+
+from api.main import create_app
+from api.settings import Settings
+from tests.jobs import service_job_doc
+
+pytestmark = pytest.mark.timeout(120)
+
+TINY: dict[str, Any] = service_job_doc(3, 2, 2)
+CTL = {"Authorization": "Bearer controller-secret"}
+
+
+def make_client(data_dir: Path, **extra: Any) -> TestClient:
+    extra.setdefault("controller_token", "controller-secret")
+    settings = Settings(
+        data_dir=data_dir,
+        precompute_time_limit_s=1.0,
+        refine_time_limit_s=1.0,
+        heartbeat_timeout_s=0.5,
+        heartbeat_check_s=0.1,
+        max_wait_s=2.0,
+        **extra,
+    )
+    return TestClient(create_app(settings))
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    with make_client(tmp_path_factory.mktemp("data")) as c:
+        yield c
+
+
+def register(client: TestClient, key: str | None = None, **extra: Any) -> Any:
+    headers = dict(CTL) if key is None else {**CTL, "Idempotency-Key": key}
+    return client.post("/v1/jobs", json={"job": TINY, "heartbeat_enabled": False, **extra}, headers=headers)
+
+
+def test_list_jobs_newest_first_in_pages(client: TestClient) -> None:
+    ids = [register(client).json()["id"] for _ in range(5)]
+    fail = {"event_id": "f", "kind": "fail", "workers": [[1, 0]]}
+    assert client.post(f"/v1/jobs/{ids[2]}/events", json=fail, headers=CTL).status_code == 200
+    seen: list[dict[str, Any]] = []
+    cursor = None
+    while True:
+        params: dict[str, Any] = {"limit": 2, **({"cursor": cursor} if cursor else {})}
+        r = client.get("/v1/jobs", params=params, headers=CTL)
+        assert r.status_code == 200, r.text
+        page = r.json()
+        assert len(page["jobs"]) <= 2
+        seen += page["jobs"]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    listed = [j["id"] for j in seen]
+    assert len(listed) == len(set(listed)) and listed[: len(ids)] == ids[::-1]  # newest first
+    created = [j["created_at"] for j in seen]
+    assert created == sorted(created, reverse=True)
+    by_id = {j["id"]: j for j in seen}
+    assert by_id[ids[2]]["failed"] == [[1, 0]] and by_id[ids[2]]["version"] == 2
+    assert by_id[ids[0]] | {"created_at": 0} == {
+        "id": ids[0], "name": "tiny-d3p2", "created_at": 0, "state": "running", "version": 1,
+        "num_pipelines": 3, "num_stages": 2, "failed": [],
+    }  # fmt: skip
+
+
+def test_list_jobs_auth_and_bounds(client: TestClient) -> None:
+    worker = {"Authorization": f"Bearer {register(client).json()['worker_token']}"}
+    assert client.get("/v1/jobs").status_code == 401
+    assert client.get("/v1/jobs", headers=worker).status_code == 403
+    for bad in ({"limit": 0}, {"limit": 501}, {"cursor": "no-such-job"}):
+        assert client.get("/v1/jobs", params=bad, headers=CTL).status_code == 422, bad
+    assert client.get("/v1/jobs", params={"limit": 500}, headers=CTL).status_code == 200
+
+
+def test_idempotency_key_replays_first_answer(client: TestClient) -> None:
+    first = register(client, key="launch-0001")
+    assert first.status_code == 201 and "idempotent-replayed" not in first.headers
+    again = register(client, key="launch-0001")
+    assert again.status_code == 201 and again.json() == first.json()
+    assert again.headers["idempotent-replayed"] == "true"
+    # the replayed worker token works: same job
+    token = {"Authorization": f"Bearer {again.json()['worker_token']}"}
+    assert client.get(f"/v1/jobs/{first.json()['id']}", headers=token).status_code == 200
+    other = register(client, key="launch-0001", max_failures=1)  # same key, another body
+    assert other.status_code == 422 and "different request body" in other.json()["detail"]
+    assert register(client, key="launch-0002").json()["id"] != first.json()["id"]
+    assert register(client).json()["id"] != register(client).json()["id"]  # no key: a job each time
+    for bad in ("", "x" * 256, "has space"):
+        assert register(client, key=bad).status_code == 422
+
+
+def test_idempotency_key_survives_a_restart(tmp_path: Path) -> None:
+    with make_client(tmp_path) as c:
+        first = register(c, key="k-restart")
+        assert first.status_code == 201
+    db = sqlite3.connect(tmp_path / "recycle.sqlite3")
+    stored = " ".join(str(v) for row in db.execute("SELECT * FROM idempotency") for v in row)
+    db.close()
+    assert first.json()["worker_token"] not in stored and "k-restart" not in stored  # neither in clear
+    with make_client(tmp_path) as c:
+        again = register(c, key="k-restart")
+        assert again.status_code == 201 and again.json() == first.json()
+        assert register(c, key="k-restart", max_failures=0).status_code == 422
+        assert len(c.get("/v1/jobs", headers=CTL).json()["jobs"]) == 1
+
+
+def wait_failed(client: TestClient, job_id: str, seconds: float) -> list[Any]:
+    deadline = time.monotonic() + seconds
+    while True:
+        failed: list[Any] = client.get(f"/v1/jobs/{job_id}", headers=CTL).json()["failed"]
+        if failed or time.monotonic() > deadline:
+            return failed
+        time.sleep(0.1)
+
+
+def test_controller_poll_is_not_a_heartbeat(client: TestClient) -> None:
+    job_id = register(client, heartbeat_enabled=True).json()["id"]
+    url = f"/v1/jobs/{job_id}/schedule"
+    assert client.get(f"{url}?worker=2,0", headers=CTL).status_code == 200  # fast path
+    assert client.get(f"{url}?worker=1,1&after_version=0000000000000000000", headers=CTL).status_code == 200
+    assert wait_failed(client, job_id, 1.5) == []  # three timeouts later: nobody declared failed
+
+
+def test_worker_poll_is_a_heartbeat(client: TestClient) -> None:
+    created = register(client, heartbeat_enabled=True).json()
+    worker = {"Authorization": f"Bearer {created['worker_token']}"}
+    assert client.get(f"/v1/jobs/{created['id']}/schedule?worker=2,0", headers=worker).status_code == 200
+    assert wait_failed(client, created["id"], 10) == [[2, 0]]
+
+
+def test_insecure_dev_counts_worker_token_polls_only(tmp_path: Path) -> None:
+    with make_client(tmp_path, controller_token=None, insecure_dev=True) as c:
+        created = c.post("/v1/jobs", json={"job": TINY}).json()
+        url = f"/v1/jobs/{created['id']}/schedule?worker=0,1"
+        assert c.get(url).status_code == 200  # no token: allowed, not a heartbeat
+        assert wait_failed(c, created["id"], 1.2) == []
+        assert c.get(url, headers={"Authorization": f"Bearer {created['worker_token']}"}).status_code == 200
+        assert wait_failed(c, created["id"], 10) == [[0, 1]]
