@@ -29,11 +29,6 @@ KEEP = 3
 _NAME = re.compile(r"^it(\d+)\.pt$")
 
 
-def every_from_env(default: int = 0) -> int:
-    """The checkpoint interval in stepped iterations from RECYCLE_CHECKPOINT_EVERY (0: off)."""
-    return int(os.environ.get("RECYCLE_CHECKPOINT_EVERY", str(default)))
-
-
 def stage_file(directory: Path, stage: int, iteration: int) -> Path:
     """The checkpoint file of `stage` after `iteration` stepped iterations."""
     return Path(directory) / f"stage{stage}" / f"it{iteration:08d}.pt"
