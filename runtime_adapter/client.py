@@ -2,19 +2,17 @@
 
 Two sources behind one small interface: the service (GET /v1/jobs/{id}/schedule?worker=d,s with
 after_version, wait, Bearer token, ETag / If-None-Match) and a schedule file holding the same envelope
-({"version": N, "schedule": {...}}). While the source is unreachable the client backs off and the
-worker keeps running the last schedule it has.
+({"version": N, "schedule": {...}}). While the source is unreachable the client backs off (exponential,
+full jitter: backoff.py) and the worker keeps running the last schedule it has.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
+import random
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
@@ -23,11 +21,12 @@ from typing import Protocol
 
 from planner.contract import Schedule
 from runtime_adapter.assignment import Assignment, Worker, assignment_from_schedule, assignment_from_view
+from runtime_adapter.backoff import Backoff
+from runtime_adapter.settings import runtime_settings
 
 logger = logging.getLogger(__name__)
 
-POLL_WAIT = timedelta(seconds=float(os.environ.get("RECYCLE_POLL_WAIT_S", "30")))
-MAX_BACKOFF = timedelta(seconds=float(os.environ.get("RECYCLE_MAX_BACKOFF_S", "2")))
+BASE_BACKOFF_S = 0.05  # the first retry waits up to this long; the ceiling doubles to MAX_BACKOFF
 
 
 class SourceUnavailable(Exception):
@@ -77,7 +76,11 @@ class FileScheduleSource:
 
 
 class HttpScheduleSource:
-    """The service's long-poll endpoint for one worker (each poll is also its heartbeat)."""
+    """The service's long-poll endpoint for one worker (each poll is also its heartbeat).
+
+    One persistent httpx client (keep-alive): every poll of the worker reuses its connection instead of
+    opening a new one; a connection the service closed is replaced on the next poll.
+    """
 
     def __init__(
         self,
@@ -89,9 +92,17 @@ class HttpScheduleSource:
         num_stages: int,
         num_microbatches: int,
     ) -> None:
+        import httpx  # the worker needs it only with --service
+
         self.base = service.rstrip("/")
         self.job_id, self.token, self.worker = job_id, token, worker
         self.dims = (num_pipelines, num_stages, num_microbatches)
+        self._httpx = httpx
+        self._http = httpx.Client(
+            headers={"Authorization": f"Bearer {token}"},
+            follow_redirects=True,
+            limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+        )
 
     def fetch(self, after_version: int, wait: timedelta) -> Assignment | None:
         """See ScheduleSource.fetch."""
@@ -100,32 +111,42 @@ class HttpScheduleSource:
             f"{self.base}/v1/jobs/{self.job_id}/schedule?worker={d},{s}"
             f"&after_version={after_version}&wait={wait.total_seconds():g}"
         )
-        req = urllib.request.Request(
-            url, headers={"Authorization": f"Bearer {self.token}", "If-None-Match": f'"{after_version}"'}
-        )
+        httpx = self._httpx
         try:
-            with urllib.request.urlopen(req, timeout=wait.total_seconds() + 10) as resp:
-                view = json.loads(resp.read())
-        except urllib.error.HTTPError as e:
-            if e.code == 304:
-                return None
-            detail = _detail(e)
-            if 400 <= e.code < 500 and e.code not in RETRIED_4XX:
-                raise SourceRejected(f"{url}: HTTP {e.code} {detail}") from e
-            raise SourceUnavailable(f"{url}: HTTP {e.code} {detail}") from e
-        except (OSError, ValueError) as e:
+            resp = self._http.get(
+                url,
+                headers={"If-None-Match": f'"{after_version}"'},
+                timeout=httpx.Timeout(wait.total_seconds() + 10),
+            )
+        except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError) as e:
+            raise SourceUnavailable(f"{url}: {type(e).__name__}: {e}") from e
+        code = resp.status_code
+        if code == 304:
+            return None
+        if not 200 <= code < 300:
+            detail = _detail(resp.content)
+            if 400 <= code < 500 and code not in RETRIED_4XX:
+                raise SourceRejected(f"{url}: HTTP {code} {detail}")
+            raise SourceUnavailable(f"{url}: HTTP {code} {detail}")
+        try:
+            view = json.loads(resp.content)
+        except ValueError as e:
             raise SourceUnavailable(f"{url}: {e}") from e
         return assignment_from_view(view, *self.dims)
+
+    def close(self) -> None:
+        """Close the connection (the client's poll thread calls it when it stops)."""
+        self._http.close()
 
 
 RETRIED_4XX = (408, 425, 429)
 
 
-def _detail(e: urllib.error.HTTPError) -> str:
+def _detail(body: bytes) -> str:
     """The `detail` of an error answer, if it has one (for the log)."""
     try:
-        return str(json.loads(e.read()).get("detail", ""))
-    except (OSError, ValueError, AttributeError):
+        return str(json.loads(body).get("detail", ""))
+    except (ValueError, AttributeError):
         return ""
 
 
@@ -137,12 +158,16 @@ class ScheduleClient:
         source: ScheduleSource,
         on_new: Callable[[Assignment], None] | None = None,
         on_error: Callable[[SourceRejected], None] | None = None,
-        poll_wait: timedelta = POLL_WAIT,
-        max_backoff: timedelta = MAX_BACKOFF,
+        poll_wait: timedelta | None = None,
+        max_backoff: timedelta | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self.source, self.on_new, self.on_error = source, on_new, on_error
         self.error: SourceRejected | None = None
-        self.poll_wait, self.max_backoff = poll_wait, max_backoff
+        settings = runtime_settings()  # RECYCLE_POLL_WAIT_S, RECYCLE_MAX_BACKOFF_S unless given
+        self.poll_wait = settings.poll_wait if poll_wait is None else poll_wait
+        self.max_backoff = settings.max_backoff if max_backoff is None else max_backoff
+        self.rng = rng
         self._latest: Assignment | None = None
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -182,7 +207,15 @@ class ScheduleClient:
             return self._latest
 
     def _loop(self) -> None:
-        backoff = 0.05
+        try:
+            self._poll_until_stopped()
+        finally:
+            close = getattr(self.source, "close", None)
+            if close is not None:
+                close()
+
+    def _poll_until_stopped(self) -> None:
+        backoff = Backoff(BASE_BACKOFF_S, self.max_backoff.total_seconds(), self.rng)
         while not self._stop.is_set():
             current = self._latest.version if self._latest is not None else 0
             try:
@@ -199,13 +232,12 @@ class ScheduleClient:
                 if self.unreachable_since is None:
                     self.unreachable_since = time.monotonic()
                     logger.warning("schedule source unreachable, keeping version %d: %s", current, e)
-                self._stop.wait(backoff)
-                backoff = min(2 * backoff, self.max_backoff.total_seconds())
+                self._stop.wait(backoff.next())
                 continue
             if self.unreachable_since is not None:
                 logger.info("schedule source reachable again")
                 self.unreachable_since = None
-            backoff = 0.05
+            backoff.reset()
             if got is None or got.version <= current:
                 continue
             with self._cond:

@@ -3,7 +3,7 @@
 Every schedule version gets fresh groups under its own store prefix (as torchft does): a world group
 over all alive workers (point-to-point activations and gradients) and one group over the alive peers of
 this worker's stage (the OPT all-reduce, state transfer on re-join). Survivors never restart; the
-groups of older versions are simply abandoned.
+groups of older versions are destroyed by a `GroupReaper` once no collective can still run on them.
 
 A c10d wait cannot be cancelled (gloo's abort does not wake a blocked receive), so waits run in a
 daemon thread and the caller gives up as soon as `interrupted` is set; the stuck wait ends with the
@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -126,3 +128,138 @@ def build_groups(
     return Groups(
         a.version, world, world_rank, stage, stage_rank, Waiter(interrupted), device or torch.device("cpu")
     )
+
+
+def connect_groups(
+    store_addr: tuple[str, int],
+    a: Assignment,
+    interrupted: threading.Event,
+    backend: str,
+    timeout: timedelta,
+    reaper: GroupReaper,
+    superseded: Callable[[], bool],
+) -> Groups:
+    """Build the groups of version `a` in a helper thread, giving up (Interrupted) as soon as
+    `superseded()` (a newer version arrived): a member that skipped this version would otherwise keep
+    everyone waiting until the timeout. Groups finished after giving up go to the reaper."""
+    box: dict[str, Any] = {}
+    done, lock = threading.Event(), threading.Lock()
+
+    def target() -> None:
+        try:
+            # A store client of its own: an abandoned attempt may still block in a store wait, and
+            # one client serializes its requests.
+            host, port = store_addr
+            store = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+            groups = reaper.track(build_groups(store, a, interrupted, backend, timeout))
+        except BaseException as e:
+            box["error"] = e
+            done.set()
+            return
+        with lock:
+            box["groups"] = groups
+            if "abandoned" in box:  # the worker moved on: nobody will use these
+                reaper.retire(box.pop("groups"))
+        done.set()
+
+    threading.Thread(target=target, name=f"recycle-connect-v{a.version}", daemon=True).start()
+    while not done.wait(POLL_S):
+        if superseded():
+            with lock:
+                box["abandoned"] = True
+                if "groups" in box:
+                    reaper.retire(box.pop("groups"))
+            raise Interrupted(f"a version above v{a.version} arrived while connecting its groups")
+    if "error" in box:
+        raise box["error"]
+    return box["groups"]
+
+
+def broadcast_bytes(groups: Groups, data: bytes | None, src_rank: int) -> bytes:
+    """Broadcast a byte string over the stage group from `src_rank` (state transfer on re-join)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src_rank
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    groups.waiter.wait(groups.stage.broadcast([size], opts), "state size broadcast")
+    payload = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data is not None
+        else torch.empty(int(size.item()), dtype=torch.uint8)
+    )
+    groups.waiter.wait(groups.stage.broadcast([payload], opts), "state broadcast")
+    return payload.numpy().tobytes()
+
+
+def allreduce_min(groups: Groups, values: list[int], on_stage: bool = False) -> list[int]:
+    """Element-wise minimum of `values` over the world (or stage) group."""
+    t = torch.tensor(values, dtype=torch.int64)
+    pg = groups.stage if on_stage else groups.world
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]
+    groups.waiter.wait(pg.allreduce([t], opts), "agreement all-reduce")
+    return [int(x) for x in t.tolist()]
+
+
+class GroupReaper:
+    """Destroys the groups of old versions in a daemon thread.
+
+    The groups are not registered with c10d's default world (`dist.destroy_process_group` refuses
+    them): a group is destroyed when its last reference goes, and gloo's destructor waits for the
+    operations still pending on it. Those end at once when the peer died (its sockets are closed) but
+    only with the group timeout when the peer is alive and silent, so the reaper, not the training
+    thread, drops the references. `live()` counts the process groups not yet destroyed (weak refs).
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Groups | None] = queue.SimpleQueue()
+        self._lock = threading.RLock()  # a finalizer may run in any thread, even one holding it
+        self._live = 0
+        self._pending = 0
+        self._idle = threading.Condition(self._lock)
+        self._thread = threading.Thread(target=self._loop, name="recycle-reaper", daemon=True)
+        self._thread.start()
+
+    def track(self, groups: Groups) -> Groups:
+        """Count `groups`' process groups as live until they are destroyed."""
+        for pg in (groups.world, groups.stage):
+            with self._lock:
+                self._live += 1
+            weakref.finalize(pg, self._destroyed)
+        return groups
+
+    def _destroyed(self) -> None:
+        with self._lock:
+            self._live -= 1
+
+    def live(self) -> int:
+        """Process groups built (and tracked) and not yet destroyed."""
+        with self._lock:
+            return self._live
+
+    def retire(self, groups: Groups) -> None:
+        """Hand over `groups`: nobody may use them any more (the caller drops its references)."""
+        with self._lock:
+            self._pending += 1
+        self._queue.put(groups)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every retired group was destroyed; False after `timeout_s`."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def _loop(self) -> None:
+        while True:
+            groups = self._queue.get()
+            if groups is None:
+                return
+            groups.close()
+            world, stage = groups.world, groups.stage
+            groups.world = groups.stage = None  # the Groups object may outlive this: drop its refs
+            try:
+                del world, stage  # gloo's destructor: joins its threads, closes its sockets
+            except BaseException as e:  # never let the reaper die
+                logger.warning("destroying the groups of v%d: %s", groups.version, e)
+            logger.info("groups of v%d destroyed", groups.version)
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()

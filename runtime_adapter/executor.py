@@ -6,6 +6,12 @@ parameter gradients; OPT all-reduces the gradients with the alive peers of the s
 micro-batch of the global batch, which must come back as exactly one) and steps the stage's own
 optimizer. No global barrier. The pre-step state of the last step is kept so that a failure can roll
 the stage back and replay the iteration (see worker.py).
+
+The step becomes visible to the peers with the gradient all-reduce: once any peer's all-reduce returns,
+every peer has contributed and the peers step. `before_step` runs right before it (the worker writes
+its "stepping" record there), so a kill between the all-reduce and the worker's "step" record leaves a
+record of the contribution. The last stage also sums its micro-batches' (unscaled) losses: one
+`.item()` per iteration, in the record.
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from runtime_adapter.assignment import Assignment, MicroBatch, Worker
 from runtime_adapter.autograd_split import stage_backward_input, stage_backward_weight
@@ -31,6 +36,7 @@ from runtime_adapter.model import GPTConfig, StageModule, SyntheticData
 logger = logging.getLogger(__name__)
 
 FaultHook = Callable[[int, Instr], None]
+REDUCED = Instr("REDUCED")  # the fault hook's point right after the gradient all-reduce returned
 
 
 class ExactlyOnceError(RuntimeError):
@@ -46,6 +52,8 @@ class IterationRecord:
     hosted: list[MicroBatch]
     op_ms: dict[str, float] = field(default_factory=dict)
     wall_ms: float = 0.0
+    loss_sum: float | None = None  # last stage: sum of its micro-batches' unscaled mean losses
+    loss_n: int = 0  # last stage: how many micro-batches that sum covers
 
 
 class Executor:
@@ -60,13 +68,14 @@ class Executor:
         num_microbatches: int,
         make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
         fault: FaultHook | None = None,
+        before_step: Callable[[IterationRecord], None] | None = None,
     ) -> None:
         self.module, self.cfg, self.worker = module, cfg, worker
         self.num_pipelines, self.num_microbatches = num_pipelines, num_microbatches
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params)
         self.data = SyntheticData(cfg)
-        self.fault = fault
+        self.fault, self.before_step = fault, before_step
         self.interrupted = threading.Event()
         self._version_lock = threading.Lock()
         self.version = 0
@@ -149,7 +158,9 @@ class Executor:
 
     # -- OPT ------------------------------------------------------------------------------------------
 
-    def _opt(self, iteration: int, counts: torch.Tensor, sends: list[Any]) -> None:
+    def _opt(
+        self, iteration: int, counts: torch.Tensor, sends: list[Any], rec: IterationRecord | None = None
+    ) -> None:
         groups = self.groups
         assert groups is not None
         for work in sends:
@@ -157,7 +168,11 @@ class Executor:
         sends.clear()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads] + [counts])
+        if self.before_step is not None and rec is not None:
+            self.before_step(rec)  # from here on the peers may step with this worker's gradients
         groups.waiter.wait(groups.stage.allreduce([flat]), "the stage all-reduce")
+        if self.fault is not None:
+            self.fault(iteration, REDUCED)
         reduced_counts = flat[-counts.numel() :]
         if not bool(torch.all(reduced_counts == 1)):
             bad = [i for i, c in enumerate(reduced_counts.tolist()) if c != 1]
@@ -191,6 +206,7 @@ class _IterationRun:
         self.counts = torch.zeros(ex.num_pipelines * ex.num_microbatches)
         self.scale = 1.0 / (ex.num_pipelines * ex.num_microbatches)
         self.recvs: dict[tuple[str, MicroBatch], tuple[Any, torch.Tensor]] = {}
+        self.loss: torch.Tensor | None = None  # last stage: detached sum of the unscaled losses
         self._post_receives()
 
     def _post_receives(self) -> None:
@@ -221,7 +237,9 @@ class _IterationRun:
         """Execute one instruction."""
         mb, kind = ins.mb, ins.kind
         if kind == "OPT":
-            self.ex._opt(self.iteration, self.counts, self.sends)
+            if self.module.is_last:
+                self.rec.loss_sum = 0.0 if self.loss is None else float(self.loss)
+            self.ex._opt(self.iteration, self.counts, self.sends, self.rec)
             return
         assert mb is not None
         if kind == RECV_ACT:
@@ -255,6 +273,9 @@ class _IterationRun:
         inp = tokens if self.module.is_first else self.inputs[mb]
         out = self.module(inp, targets if self.module.is_last else None)
         if self.module.is_last:
+            loss = out.detach()
+            self.loss = loss if self.loss is None else self.loss + loss
+            self.rec.loss_n += 1
             out = out * self.scale
         self.outputs[mb] = out
         self.rec.hosted.append(mb)
@@ -281,28 +302,3 @@ class _IterationRun:
 
     def _count(self, mb: MicroBatch) -> None:
         self.counts[mb[0] * self.ex.num_microbatches + mb[1]] += 1
-
-
-def broadcast_bytes(groups: Groups, data: bytes | None, src_rank: int) -> bytes:
-    """Broadcast a byte string over the stage group from `src_rank` (state transfer on re-join)."""
-    opts = dist.BroadcastOptions()
-    opts.rootRank = src_rank
-    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-    groups.waiter.wait(groups.stage.broadcast([size], opts), "state size broadcast")
-    payload = (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if data is not None
-        else torch.empty(int(size.item()), dtype=torch.uint8)
-    )
-    groups.waiter.wait(groups.stage.broadcast([payload], opts), "state broadcast")
-    return payload.numpy().tobytes()
-
-
-def allreduce_min(groups: Groups, values: list[int], on_stage: bool = False) -> list[int]:
-    """Element-wise minimum of `values` over the world (or stage) group."""
-    t = torch.tensor(values, dtype=torch.int64)
-    pg = groups.stage if on_stage else groups.world
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]
-    groups.waiter.wait(pg.allreduce([t], opts), "agreement all-reduce")
-    return [int(x) for x in t.tolist()]

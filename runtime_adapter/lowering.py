@@ -36,7 +36,7 @@ class Instr:
     tag: int = 0
 
     def __str__(self) -> str:
-        if self.kind in COMPUTE_OPS:
+        if self.kind in COMPUTE_OPS or self.peer is None:
             return self.kind if self.mb is None else f"{self.kind} mb={list(self.mb)}"
         assert self.mb is not None and self.peer is not None
         arrow = "<-" if self.kind.startswith("RECV") else "->"

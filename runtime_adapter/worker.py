@@ -18,14 +18,12 @@ checkpoint (checkpoint.py), which the lowest alive worker of each stage writes e
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,21 +31,27 @@ import torch
 import torch.distributed as dist
 
 from runtime_adapter import checkpoint
+from runtime_adapter.accounting import Accounting, acct_path
 from runtime_adapter.assignment import Assignment, Worker
 from runtime_adapter.client import ScheduleClient, ScheduleSource, SourceRejected
-from runtime_adapter.comm import Groups, Interrupted, build_groups
-from runtime_adapter.executor import Executor, allreduce_min, broadcast_bytes
+from runtime_adapter.comm import (
+    GroupReaper,
+    Groups,
+    Interrupted,
+    allreduce_min,
+    broadcast_bytes,
+    connect_groups,
+)
+from runtime_adapter.executor import Executor
 from runtime_adapter.lowering import Instr
 from runtime_adapter.model import GPTConfig, build_stage
 from runtime_adapter.reference import make_optimizer
+from runtime_adapter.settings import runtime_settings
 
 logger = logging.getLogger(__name__)
 
 FRESH = 1 << 40
 LOG_CONTEXT: dict[str, int] = {"v": 0, "it": 0}
-VERSION_WAIT = timedelta(seconds=float(os.environ.get("RECYCLE_VERSION_WAIT_S", "60")))
-STANDBY_WAIT = timedelta(seconds=float(os.environ.get("RECYCLE_STANDBY_WAIT_S", "600")))
-GROUP_TIMEOUT = timedelta(seconds=float(os.environ.get("RECYCLE_GROUP_TIMEOUT_S", "20")))
 
 EXIT_NEEDS_RESTORE = 3  # the job lost a whole stage: restart every worker from a checkpoint
 EXIT_DROPPED = 4  # the schedule lists this (alive) worker as failed
@@ -80,7 +84,8 @@ class WorkerOptions:
 def fault_hook(fail_at: tuple[int, str] | None) -> Any:
     """A hook that kills this process (SIGKILL, no clean-up) before the first `phase` instruction of
     its `it`-th iteration, counted from the first iteration this process runs (a re-joiner's start);
-    phase is F, B, W, BW or OPT (OPT: right before the gradient all-reduce)."""
+    phase is F, B, W, BW, OPT (right before the gradient all-reduce) or REDUCED (right after it: the
+    peers step, this worker dies before its `step` record)."""
     if fail_at is None:
         return None
     it, phase = fail_at
@@ -113,6 +118,7 @@ class WorkerProcess:
 
     def __init__(self, opts: WorkerOptions, source: ScheduleSource) -> None:
         self.opts = opts
+        self.settings = runtime_settings()  # the waits: RECYCLE_VERSION_WAIT_S, ...
         module = build_stage(opts.cfg, opts.num_stages, opts.worker[1])
         self.executor = Executor(
             module,
@@ -122,6 +128,7 @@ class WorkerProcess:
             opts.num_microbatches,
             make_optimizer,
             fault_hook(opts.fail_at),
+            before_step=lambda rec: self.acct.stepping(rec),
         )
         self.client = ScheduleClient(
             source,
@@ -129,15 +136,19 @@ class WorkerProcess:
             on_error=lambda _: self.executor.interrupt(FRESH),
         )
         self.store = dist.TCPStore(
-            opts.store_host, opts.store_port, is_master=False, timeout=GROUP_TIMEOUT, wait_for_workers=False
+            opts.store_host,
+            opts.store_port,
+            is_master=False,
+            timeout=self.settings.group_timeout,
+            wait_for_workers=False,
         )
         self.fresh = opts.rejoin
-        self.acct = (opts.out_dir / f"acct_{opts.worker[0]}_{opts.worker[1]}.jsonl").open("a")
-        self.old_groups: list[Groups] = []
+        self.acct = Accounting(acct_path(opts.out_dir, opts.worker), module.is_last)
+        self.reaper = GroupReaper()
+        self.groups: list[Groups] = []  # built and not yet retired, oldest first
 
     def _log(self, record: dict[str, Any]) -> None:
-        self.acct.write(json.dumps(record) + "\n")
-        self.acct.flush()
+        self.acct.write(record)
 
     def resume(self) -> int | None:
         """Load this stage's part of the newest complete checkpoint; its stepped count (None: none)."""
@@ -170,13 +181,13 @@ class WorkerProcess:
             self.resume()
         if self.opts.standby_key is not None:
             logger.info("standby: waiting for %s", self.opts.standby_key)
-            self.store.wait([self.opts.standby_key], STANDBY_WAIT)
+            self.store.wait([self.opts.standby_key], self.settings.standby_wait)
             version = int(self.store.get(self.opts.standby_key)) - 1
         self.client.start()
         while True:
-            a = self.client.wait_newer(version, VERSION_WAIT)
+            a = self.client.wait_newer(version, self.settings.version_wait)
             if a is None:
-                raise TimeoutError(f"no schedule version above {version} within {VERSION_WAIT}")
+                raise TimeoutError(f"no schedule version above {version} within {self.settings.version_wait}")
             version = LOG_CONTEXT["v"] = a.version
             if a.state == "needs_restore":
                 logger.error("schedule v%d: the job needs a restore from a checkpoint: stopping", a.version)
@@ -201,7 +212,7 @@ class WorkerProcess:
         ex = self.executor
         ex.begin_version(a.version)
         groups = self._connect(a)
-        self.old_groups.append(groups)
+        self.groups.append(groups)
         mine = FRESH if self.fresh else ex.stepped
         k = allreduce_min(groups, [mine])[0]
         if not self.fresh and ex.stepped != k:
@@ -220,43 +231,45 @@ class WorkerProcess:
                 self._log({"event": "rejoin", "stepped": k, "version": a.version})
             self.fresh = False
         ex.apply(a, groups)
+        self._retire_older(groups)
+        self._log({"event": "version", "version": a.version, "from": k, **self._resources()})
         latest = self.client.latest()
         if latest is not None and latest.version > a.version:
             raise Interrupted(f"v{latest.version} arrived during recovery")
         logger.info("running v%d from iteration %d", a.version, k)
 
+    def _retire_older(self, current: Groups) -> None:
+        """Destroy the groups of every older version: each alive worker of `current` has left them
+        (it took part in this version's agreement), and the others are dead or dropped."""
+        for old in [g for g in self.groups if g is not current]:
+            self.reaper.retire(old)
+        self.groups = [current]
+
+    def _resources(self) -> dict[str, int]:
+        """Live process groups and OS threads of this process (bounded across versions)."""
+        try:
+            threads = len(os.listdir("/proc/self/task"))
+        except OSError:
+            threads = threading.active_count()
+        return {"groups": self.reaper.live(), "threads": threads}
+
     def _connect(self, a: Assignment) -> Groups:
-        """Build the groups of version `a` in a helper thread, giving up when a newer version arrives
-        (a member that skipped this version would otherwise keep everyone waiting until the timeout)."""
-        box: dict[str, Any] = {}
-        done = threading.Event()
+        """Version `a`'s groups; Interrupted when a newer version arrives first."""
 
-        def target() -> None:
-            try:
-                # A store client of its own: an abandoned attempt may still block in a store wait, and
-                # one client serializes its requests.
-                store = dist.TCPStore(
-                    self.opts.store_host,
-                    self.opts.store_port,
-                    is_master=False,
-                    timeout=GROUP_TIMEOUT,
-                    wait_for_workers=False,
-                )
-                box["groups"] = build_groups(
-                    store, a, self.executor.interrupted, self.opts.backend, GROUP_TIMEOUT
-                )
-            except BaseException as e:
-                box["error"] = e
-            done.set()
-
-        threading.Thread(target=target, name=f"recycle-connect-v{a.version}", daemon=True).start()
-        while not done.wait(0.005):
+        def superseded() -> bool:
             latest = self.client.latest()
-            if self.executor.interrupted.is_set() or (latest is not None and latest.version > a.version):
-                raise Interrupted(f"a version above v{a.version} arrived while connecting its groups")
-        if "error" in box:
-            raise box["error"]
-        return box["groups"]
+            return self.executor.interrupted.is_set() or (latest is not None and latest.version > a.version)
+
+        o = self.opts
+        return connect_groups(
+            (o.store_host, o.store_port),
+            a,
+            self.executor.interrupted,
+            o.backend,
+            self.settings.group_timeout,
+            self.reaper,
+            superseded,
+        )
 
     def _train(self, a: Assignment) -> None:
         ex = self.executor
@@ -264,18 +277,9 @@ class WorkerProcess:
             LOG_CONTEXT["it"] = ex.stepped
             t0 = time.monotonic()
             rec = ex.run_iteration(ex.stepped)
-            # The record right after the step: a kill during the checkpoint or the pause below must
-            # not leave a stepped iteration unaccounted for.
-            self._log(
-                {
-                    "event": "step",
-                    "it": rec.iteration,
-                    "version": rec.version,
-                    "hosted": rec.hosted,
-                    "wall_ms": rec.wall_ms,
-                    "op_ms": rec.op_ms,
-                }
-            )
+            # The record right after the step ("stepping" was written before the all-reduce): a kill
+            # during the checkpoint or the pause below must not leave a step unconfirmed.
+            self.acct.step(rec)
             self._maybe_checkpoint(a)
             pause = self.opts.pace_ms / 1e3 - (time.monotonic() - t0)
             if pause > 0:
@@ -300,5 +304,6 @@ class WorkerProcess:
     def _save(self) -> None:
         d, s = self.opts.worker
         torch.save(self.executor.module.state_dict(), self.opts.out_dir / f"final_{d}_{s}.pt")
-        self._log({"event": "done", "stepped": self.executor.stepped})
+        self.reaper.drain(self.settings.group_timeout.total_seconds())
+        self._log({"event": "done", "stepped": self.executor.stepped, **self._resources()})
         self.acct.close()

@@ -16,10 +16,11 @@ import torch
 
 from planner.contract import FailureScenario, JobSpec, Schedule
 from planner.plan import plan
+from runtime_adapter.accounting import committed, iteration_losses
 from runtime_adapter.assignment import Worker
 from runtime_adapter.launch import Launcher, LaunchSpec, publish
-from runtime_adapter.model import GPTConfig
-from runtime_adapter.reference import relative_error, train_reference
+from runtime_adapter.model import GPTConfig, SyntheticData, build_stages
+from runtime_adapter.reference import make_optimizer, relative_error, train_reference
 from tests.jobs import tiny_job
 
 pytestmark = pytest.mark.timeout(300)
@@ -48,20 +49,52 @@ def records(out: Path, w: Worker) -> list[dict]:
 
 def committed_hosts(out: Path, job: JobSpec) -> dict[tuple[int, int], list[list[int]]]:
     """(stage, iteration) -> micro-batches hosted in the step that counts: per (stage, iteration) only
-    the records of the newest schedule version survive (older ones were rolled back or died)."""
-    best: dict[tuple[int, int], tuple[int, list[list[int]]]] = {}
-    for d in range(job.num_pipelines):
-        for s in range(job.num_stages):
-            for r in records(out, (d, s)):
-                if r["event"] != "step":
-                    continue
-                key = (s, r["it"])
-                v, hosted = best.get(key, (-1, []))
-                if r["version"] > v:
-                    best[key] = (r["version"], list(r["hosted"]))
-                elif r["version"] == v:
-                    hosted.extend(r["hosted"])
-    return {k: h for k, (_, h) in best.items()}
+    the records of the newest schedule version with a step survive (older ones were rolled back or
+    died); at that version a "stepping" record without its "step" counts too (accounting.py)."""
+    steps = committed(out, job.num_pipelines, job.num_stages)
+    return {k: [mb for r in recs for mb in r["hosted"]] for k, recs in steps.items()}
+
+
+@functools.lru_cache(maxsize=8)
+def reference_losses(
+    num_pipelines: int, num_stages: int, num_microbatches: int, num_iterations: int
+) -> list[float]:
+    """The global loss of each iteration of single-process training (mean over the D*M micro-batches
+    of the unscaled loss, before that iteration's step), computed directly."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        stages = build_stages(CFG, num_stages)
+        optimizers = [make_optimizer(list(st.parameters())) for st in stages]
+        data, n = SyntheticData(CFG), num_pipelines * num_microbatches
+        losses = []
+        for it in range(num_iterations):
+            total = 0.0
+            for d in range(num_pipelines):
+                for m in range(num_microbatches):
+                    tokens, targets = data.microbatch(it, d, m)
+                    x = tokens
+                    for st in stages[:-1]:
+                        x = st(x)
+                    loss = stages[-1](x, targets)
+                    total += float(loss.detach())
+                    (loss / n).backward()
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            losses.append(total / n)
+        return losses
+    finally:
+        torch.set_num_threads(threads)
+
+
+def assert_losses_match(out: Path, job: JobSpec, num_iterations: int) -> None:
+    """Per iteration, the loss from the last stage's records equals single-process training's."""
+    got = iteration_losses(out, job.num_pipelines, job.num_stages)
+    ref = reference_losses(job.num_pipelines, job.num_stages, job.num_microbatches, num_iterations)
+    assert sorted(got) == list(range(num_iterations)), got
+    for it, loss in got.items():
+        assert loss == pytest.approx(ref[it], rel=1e-5), f"iteration {it}: {loss} vs {ref[it]}"
 
 
 def assert_exactly_once(out: Path, job: JobSpec, num_iterations: int) -> None:
@@ -129,6 +162,27 @@ def test_failure_free_matches_single_process(failure_free) -> None:
 def test_exactly_once_accounting(failure_free) -> None:
     job, out, n = failure_free
     assert_exactly_once(out, job, n)
+    for w in [(d, s) for d in range(job.num_pipelines) for s in range(job.num_stages)]:
+        recs = records(out, w)
+        for i, r in enumerate(recs):  # every step was announced right before its all-reduce
+            if r["event"] == "step":
+                intent = recs[i - 1]
+                assert intent["event"] == "stepping" and (intent["it"], intent["version"]) == (
+                    r["it"],
+                    r["version"],
+                )
+                assert intent["hosted"] == r["hosted"]
+
+
+def test_loss_in_the_step_records_matches_single_process(failure_free) -> None:
+    job, out, n = failure_free
+    last = job.num_stages - 1
+    for d in range(job.num_pipelines):
+        for s in range(job.num_stages):
+            steps = [r for r in records(out, (d, s)) if r["event"] == "step"]
+            assert all(("loss_sum" in r) == (s == last) for r in steps)
+            assert all(r["loss_n"] == len(r["hosted"]) for r in steps if s == last)
+    assert_losses_match(out, job, n)
 
 
 def test_kill_in_each_phase_then_rejoin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,6 +212,13 @@ def test_kill_in_each_phase_then_rejoin(tmp_path: Path, monkeypatch: pytest.Monk
     assert_exactly_once(tmp_path, job, n)
     assert_matches_reference(tmp_path, job, n, [*survivors, victim])
     assert_peers_identical(tmp_path, job)
+    assert_losses_match(tmp_path, job, n)
+    for w in survivors:  # the groups of old versions were destroyed, their threads gone
+        versions = [r for r in records(tmp_path, w) if r["event"] == "version"]
+        done = next(r for r in records(tmp_path, w) if r["event"] == "done")
+        assert len(versions) >= 5, versions  # v1, then a fail and a rejoin per kill (some skipped)
+        assert max(r["groups"] for r in versions) <= 6 and done["groups"] == 2, (versions, done)
+        assert done["threads"] <= versions[0]["threads"] + 8, (versions, done)
     final = json.loads((tmp_path / "schedule.json").read_text())
     assert final["schedule"]["failed"] == []  # back to the failure-free schedule
 
@@ -187,3 +248,18 @@ def test_schedule_source_unreachable(tmp_path: Path) -> None:
     assert versions == {1, 2}
     assert_exactly_once(tmp_path, job, n)
     assert_matches_reference(tmp_path, job, n, list(launcher.procs))
+
+
+def test_kill_right_after_the_allreduce(tmp_path: Path) -> None:
+    """kill -9 of [1, 1] right after its gradient all-reduce of iteration 2 returned: its peer steps,
+    it dies before its "step" record. Its "stepping" record, confirmed by the peer's step, keeps the
+    accounting exact; survivors finish with the failure-free parameters and losses."""
+    job, n, victim = tiny_job(2, 2), 5, (1, 1)
+    codes = launch(tmp_path, job, n, fail_at={victim: (2, "REDUCED")}).wait(timedelta(seconds=240))
+    survivors = [w for w in codes if w != victim]
+    assert codes[victim] == -9 and all(codes[w] == 0 for w in survivors), codes
+    mine = records(tmp_path, victim)
+    assert mine[-1]["event"] == "stepping" and mine[-1]["it"] == 2, mine[-1]
+    assert_exactly_once(tmp_path, job, n)
+    assert_matches_reference(tmp_path, job, n, survivors)
+    assert_losses_match(tmp_path, job, n)

@@ -93,6 +93,7 @@ def test_client_answers_304_needs_restore_and_stops_on_401_403_404(service: str)
     assert pub.report("fail", [(1, 1)]).version is None and len(pub.outbox) == 2
     assert pub.flush() == [] and len(pub.outbox) == 2
     pub.base = service
+    time.sleep(max(0.0, pub.retry_at - time.monotonic()))  # the outbox waits its jittered backoff
     assert pub.flush() == [1] and not pub.outbox  # delivered in order; the second one answered 409
     assert pub.restored() == 7 and pub.status()["state"] == "running"
     other = ServicePublisher(service, TOKEN, job, max_failures=0, heartbeat_enabled=False)

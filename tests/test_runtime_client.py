@@ -1,0 +1,222 @@
+"""The worker's schedule client and the launcher's service publisher against stub HTTP servers
+(in-process, no planner service): keep-alive, answers to each status, jittered backoff, and the
+registration's Idempotency-Key."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from runtime_adapter.backoff import Backoff
+from runtime_adapter.client import (
+    BASE_BACKOFF_S,
+    HttpScheduleSource,
+    ScheduleClient,
+    SourceRejected,
+    SourceUnavailable,
+)
+from runtime_adapter.publishers import ServicePublisher
+from tests.jobs import tiny_job
+from tests.test_api_live import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+VIEW = {"version": 2, "worker": [0, 1], "routes": [], "actions": [], "stage_alive": [[0, 1]], "failed": []}
+
+Answer = tuple[int, dict[str, Any] | bytes | None]
+
+
+class Stub(ThreadingHTTPServer):
+    """HTTP/1.1 server: `answer(handler)` gives (status, body); body None closes the connection
+    without an answer. Counts accepted connections and keeps every request's headers."""
+
+    daemon_threads = True
+
+    def __init__(self, answer: Callable[[BaseHTTPRequestHandler], Answer]) -> None:
+        self.answer, self.connections = answer, 0
+        self.requests: list[tuple[str, str, dict[str, str], bytes]] = []
+        super().__init__(("127.0.0.1", 0), Handler)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: Stub
+
+    def setup(self) -> None:
+        super().setup()
+        self.server.connections += 1  # once per accepted connection, however many requests it carries
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _serve(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.server.requests.append((self.command, self.path, dict(self.headers), body))
+        status, answer = self.server.answer(self)
+        if answer is None:
+            self.close_connection = True  # the request was taken, the answer is lost
+            return
+        data = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = do_PATCH = _serve
+
+
+@contextmanager
+def stub(answer: Callable[[BaseHTTPRequestHandler], Answer]) -> Iterator[Stub]:
+    server = Stub(answer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def source(url: str) -> HttpScheduleSource:
+    return HttpScheduleSource(url, "job1", "tok", (0, 1), 2, 2, 4)
+
+
+def test_polls_reuse_one_connection() -> None:
+    with stub(lambda h: (304, b"") if "after_version=2" in h.path else (200, VIEW)) as server:
+        src = source(server.url)
+        a = src.fetch(0, timedelta(seconds=1))
+        assert a is not None and a.version == 2 and a.worker == (0, 1)
+        for _ in range(5):
+            assert src.fetch(2, timedelta(seconds=1)) is None  # 304
+        assert server.connections == 1, "every poll opened a new connection"
+        method, path, headers, _ = server.requests[-1]
+        assert method == "GET" and path.startswith("/v1/jobs/job1/schedule?worker=0,1&after_version=2")
+        assert headers["Authorization"] == "Bearer tok" and headers["If-None-Match"] == '"2"'
+        src.close()
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "error"),
+    [
+        (401, {"detail": "bad token"}, SourceRejected),
+        (403, {"detail": "other job"}, SourceRejected),
+        (404, {"detail": "no such job"}, SourceRejected),
+        (422, {}, SourceRejected),
+        (408, {}, SourceUnavailable),
+        (429, {}, SourceUnavailable),
+        (500, {}, SourceUnavailable),
+        (503, b"not json", SourceUnavailable),
+        (200, b"not json", SourceUnavailable),
+    ],
+)
+def test_answers(status: int, body: dict[str, Any] | bytes, error: type[Exception]) -> None:
+    match = str(status) if status != 200 else "Expecting value"
+    with stub(lambda h: (status, body)) as server, pytest.raises(error, match=match):
+        source(server.url).fetch(0, timedelta(seconds=1))
+
+
+def test_unreachable_and_lost_answers_are_retried() -> None:
+    with pytest.raises(SourceUnavailable):
+        source(f"http://127.0.0.1:{free_port()}").fetch(0, timedelta(seconds=1))  # connection refused
+    with stub(lambda h: (200, None)) as server, pytest.raises(SourceUnavailable):
+        source(server.url).fetch(0, timedelta(seconds=1))  # closed without an answer
+
+
+def test_backoff_full_jitter_is_bounded_and_differs_between_clients() -> None:
+    a, b = Backoff(0.05, 2.0, random.Random(1)), Backoff(0.05, 2.0, random.Random(2))
+    ceilings = [min(2.0, 0.05 * 2**n) for n in range(12)]
+    da = [a.next() for _ in range(12)]
+    db = [b.next() for _ in range(12)]
+    assert all(0 <= d <= c for d, c in zip(da + db, ceilings + ceilings, strict=True))
+    assert da != db and len(set(da)) == 12  # no lockstep, no constant delay
+    assert [Backoff(0.05, 2.0, random.Random(1)).next() for _ in range(1)] == da[:1]  # seeded: replayable
+    samples = [Backoff(0.05, 2.0, random.Random(s)) for s in range(400)]
+    capped = [bo.next() for bo in samples for _ in range(7)][6::7]  # the 7th delay: ceiling = the cap
+    assert 0.8 < sum(capped) / len(capped) < 1.2  # uniform on [0, 2]: mean 1
+    assert max(capped) > 1.8 and min(capped) < 0.2
+    a.reset()
+    assert a.ceiling() == 0.05
+
+
+class Unreachable:
+    def fetch(self, after_version: int, wait: timedelta) -> None:
+        raise SourceUnavailable("down")
+
+
+def client_delays(seed: int, n: int = 8) -> list[float]:
+    """The waits of a ScheduleClient whose source is down, without waiting them."""
+    client = ScheduleClient(Unreachable(), max_backoff=timedelta(seconds=0.4), rng=random.Random(seed))
+    delays: list[float] = []
+
+    class Recorder(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            delays.append(float(timeout or 0))
+            if len(delays) >= n:
+                self.set()
+            return self.is_set()
+
+    client._stop = Recorder()
+    client._loop()
+    return delays
+
+
+def test_schedule_client_backoff_is_jittered() -> None:
+    d1, d2 = client_delays(1), client_delays(2)
+    ceilings = [min(0.4, BASE_BACKOFF_S * 2**n) for n in range(8)]
+    assert all(0 <= d <= c for d, c in zip(d1 + d2, ceilings + ceilings, strict=True)), (d1, d2)
+    assert d1 != d2 and d1 == client_delays(1)
+
+
+def test_registration_retry_reuses_its_idempotency_key() -> None:
+    """The first POST /v1/jobs is taken but its answer is lost: the retry carries the same key."""
+    posts: list[str] = []
+
+    def answer(h: BaseHTTPRequestHandler) -> Answer:
+        posts.append(h.headers.get("Idempotency-Key", ""))
+        if len(posts) == 1:
+            return 201, None
+        return 201, {"id": "job-1", "worker_token": "wt", "version": 1}
+
+    with stub(answer) as server:
+        pub = ServicePublisher(server.url, "ctl", tiny_job(2, 2), timeout_s=10, rng=random.Random(0))
+        assert pub.job_id is None
+        pub.start()
+        assert pub.job_id == "job-1" and pub.worker_token == "wt"
+        assert len(posts) == 2 and posts[0] == posts[1] and len(posts[0]) >= 16
+        other = ServicePublisher(server.url, "ctl", tiny_job(2, 2), timeout_s=10)
+        other.start()
+        assert posts[2] != posts[0]  # a new registration, a new key
+
+
+def test_outbox_waits_a_jittered_delay_between_attempts() -> None:
+    events: list[str] = []
+    down = [True]
+
+    def answer(h: BaseHTTPRequestHandler) -> Answer:
+        events.append(h.path)
+        if down[0]:
+            return 503, {"detail": "restarting"}
+        return 200, {"version": 2}
+
+    with stub(answer) as server:
+        pub = ServicePublisher(server.url, "ctl", tiny_job(2, 2), job_id="j", worker_token="w")
+        assert pub.report("fail", [(1, 1)]).version is None and len(events) == 1
+        assert 0 <= pub.retry_at - time.monotonic() <= 0.1  # the first ceiling
+        down[0] = False
+        while time.monotonic() < pub.retry_at:
+            assert pub.flush() == [] and len(events) == 1  # not before its time
+            time.sleep(0.005)
+        assert pub.flush() == [] and not pub.outbox and len(events) == 2 and pub.version == 2
