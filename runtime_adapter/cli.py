@@ -1,4 +1,5 @@
-"""`recycle worker` and `recycle launch`: parsers and commands (wired into planner/cli.py by the lead).
+"""`recycle worker`, `recycle launch` and `recycle profile`: parsers and commands (wired into
+planner/cli.py; `recycle launch` itself is in launch_cli.py).
 
 Also runnable alone: `python -m runtime_adapter.cli worker ...` (what the launcher starts).
 """
@@ -9,20 +10,23 @@ import argparse
 import logging
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
-from planner.contract import Schedule
 from planner.errors import InvalidInputError
-from runtime_adapter.assignment import Worker
 from runtime_adapter.cli_inputs import (
-    check_schedules_dir,
+    add_checkpoint_args,
+    check_min,
+    check_model_fits,
     check_worker,
     parse_fail_at,
     parse_store,
     read_job,
     read_model,
+    resolve_checkpoint_every,
 )
+from runtime_adapter.launch_cli import add_launch_parser, cmd_launch
+
+__all__ = ["add_launch_parser", "add_profile_parser", "add_worker_parser", "cmd_launch", "cmd_worker", "main"]
 
 # torch-heavy modules are imported inside the commands: building the `recycle` parser must not load torch.
 
@@ -30,7 +34,7 @@ from runtime_adapter.cli_inputs import (
 def add_worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """`recycle worker`: one worker process."""
     p = sub.add_parser("worker", help="run one worker [d, s] of a job (gloo on CPU, nccl on GPUs)")
-    p.add_argument("--job", required=True, help="job spec JSON (CONTRACT.md section 1)")
+    p.add_argument("--job", required=True, help="job spec JSON (docs/contract.md section 1)")
     p.add_argument("--pipeline", type=int, required=True)
     p.add_argument("--stage", type=int, required=True)
     src = p.add_mutually_exclusive_group(required=True)
@@ -45,22 +49,15 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--rejoin", action="store_true", help="fetch state from a peer instead of initialising")
     p.add_argument("--standby-key", help="warm standby: join once the launcher sets this store key")
-    p.add_argument("--fail-at", help="fault injection: ITERATION:PHASE (F, B, W, BW, OPT) -> SIGKILL self")
+    p.add_argument(
+        "--fail-at",
+        help="fault injection: ITERATION:PHASE (F, B, W, BW, OPT, or REDUCED: right after the gradient "
+        "all-reduce) -> SIGKILL self",
+    )
     add_checkpoint_args(p)
     p.add_argument("--resume", action="store_true", help="start from the newest complete checkpoint")
     p.add_argument("--pace-ms", type=float, default=0.0, help="make each iteration last at least this long")
     p.set_defaults(func=cmd_worker)
-
-
-def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
-    """--checkpoint-dir and --checkpoint-every (default $RECYCLE_CHECKPOINT_EVERY, else 0: none)."""
-    p.add_argument("--checkpoint-dir", help="directory of the periodic checkpoints (stage<s>/it<k>.pt)")
-    p.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=int(os.environ.get("RECYCLE_CHECKPOINT_EVERY", "0")),
-        help="stepped iterations between checkpoints (default $RECYCLE_CHECKPOINT_EVERY or 0: none)",
-    )
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -72,6 +69,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     worker = check_worker(job, (args.pipeline, args.stage))
     host, port = parse_store(args.store)
     fail_at, cfg = parse_fail_at(args.fail_at), read_model(args.model)
+    check_model_fits(cfg, job.num_stages)
+    check_min("--iterations", args.iterations, 1)
+    args.checkpoint_every = resolve_checkpoint_every(args.checkpoint_every)
+    check_min("--checkpoint-every", args.checkpoint_every, 0)
+    check_min("--pace-ms", args.pace_ms, 0)
     install_log_prefix(worker)
     opts = WorkerOptions(
         worker=worker,
@@ -114,101 +116,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
     logging.shutdown()
     sys.stdout.flush()
     os._exit(code)
-
-
-def add_launch_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """`recycle launch`: a whole D x P job on this machine."""
-    p = sub.add_parser("launch", help="start D x P workers here; survivors keep going when one dies")
-    p.add_argument("--job", required=True, help="job spec JSON")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument(
-        "--schedules",
-        help="directory of schedules named failed-none.json, failed-1.1.json, failed-0.2-1.1.json ...",
-    )
-    src.add_argument("--service", help="planner service URL: register the job there and be its controller")
-    p.add_argument("--controller-token", help="controller token (default $RECYCLE_CONTROLLER_TOKEN)")
-    p.add_argument("--max-failures", type=int, default=1, help="with --service: failures to precompute")
-    p.add_argument("--heartbeat-timeout", type=float, help="with --service: silence that fails a worker (s)")
-    add_checkpoint_args(p)
-    p.add_argument("--pace-ms", type=float, default=0.0, help="make each iteration last at least this long")
-    p.add_argument("--iterations", type=int, default=10)
-    p.add_argument("--model", default="{}", help="GPTConfig fields as JSON")
-    p.add_argument("--out", required=True)
-    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before everything is killed")
-    p.add_argument("--dry-run", action="store_true", help="print the worker commands and exit")
-    p.set_defaults(func=cmd_launch)
-
-
-def schedule_file_name(failed: frozenset[Worker]) -> str:
-    """File name of the schedule for a failure set in a --schedules directory."""
-    if not failed:
-        return "failed-none.json"
-    return "failed-" + "-".join(f"{d}.{s}" for d, s in sorted(failed)) + ".json"
-
-
-def cmd_launch(args: argparse.Namespace) -> int:
-    """Start the job, supervise it, print each worker's exit code."""
-    from runtime_adapter.launch import Launcher, LaunchSpec
-    from runtime_adapter.progress import StepProgress
-    from runtime_adapter.publishers import FilePublisher, Publisher, PublisherError, ServicePublisher
-
-    job = read_job(args.job)
-    spec = LaunchSpec(
-        job,
-        read_model(args.model),
-        args.iterations,
-        Path(args.out),
-        args.backend,
-        checkpoint_every=args.checkpoint_every,
-        checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
-        pace_ms=args.pace_ms,
-    )
-    if args.dry_run:
-        placeholders = ["--service", args.service, "--job-id", "<job id>", "--token", "<worker token>"]
-        print(spec.dry_run(source_args=placeholders if args.service else None))
-        return 0
-    publisher: Publisher
-    if args.service:
-        token = args.controller_token or os.environ.get("RECYCLE_CONTROLLER_TOKEN")
-        if not token:
-            print(
-                "recycle launch: --service needs --controller-token or RECYCLE_CONTROLLER_TOKEN",
-                file=sys.stderr,
-            )
-            return 2
-        publisher = ServicePublisher(
-            args.service, token, job, args.max_failures, heartbeat_timeout_s=args.heartbeat_timeout
-        )
-    else:
-        directory = check_schedules_dir(args.schedules, schedule_file_name(frozenset()))
-
-        def schedule_for(failed: frozenset[Worker]) -> Schedule:
-            path = directory / schedule_file_name(failed)
-            try:
-                return Schedule.model_validate_json(path.read_text())
-            except (OSError, ValueError) as e:
-                raise PublisherError(f"no usable schedule for failed {sorted(failed)}: {path}: {e}") from e
-
-        publisher = FilePublisher(spec.out_dir / "schedule.json", job, schedule_for)
-    launcher = Launcher(spec, publisher=publisher)
-    progress = StepProgress(spec.out_dir, spec.workers())
-
-    def report(lr: Launcher) -> None:
-        line = progress.line(lr.version, lr.failed, spec.num_iterations)
-        if line is not None:
-            print(line, file=sys.stderr, flush=True)
-
-    try:
-        launcher.start()
-        codes = launcher.wait(timedelta(seconds=args.timeout), report)
-    except (PublisherError, TimeoutError) as e:
-        launcher.terminate()
-        print(f"recycle launch: {e} (logs in {spec.out_dir})", file=sys.stderr)
-        return 1
-    for w, rc in sorted(codes.items()):
-        print(f"worker {list(w)}: exit {rc}")
-    return 0 if all(rc == 0 for w, rc in codes.items() if w not in launcher.failed) else 1
 
 
 def add_profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

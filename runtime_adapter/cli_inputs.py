@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -10,15 +12,16 @@ from planner.cli_io import read_document
 from planner.contract import JobSpec
 from planner.errors import InvalidInputError
 from runtime_adapter.assignment import Worker
+from runtime_adapter.settings import runtime_settings
 
 if TYPE_CHECKING:
     from runtime_adapter.model import GPTConfig
 
-PHASES = ("F", "B", "W", "BW", "OPT")
+PHASES = ("F", "B", "W", "BW", "OPT", "REDUCED")  # REDUCED: right after the gradient all-reduce
 
 
 def read_job(path: str) -> JobSpec:
-    """The job spec at `path` (CONTRACT.md section 1)."""
+    """The job spec at `path` (docs/contract.md section 1)."""
     return read_document(path, JobSpec, "job spec")
 
 
@@ -65,11 +68,61 @@ def parse_fail_at(text: str | None) -> tuple[int, str] | None:
     return int(it), phase
 
 
-def check_schedules_dir(path: str, first: str) -> Path:
-    """--schedules: a directory holding at least the failure-free schedule `first`."""
-    directory = Path(path)
-    if not (directory / first).is_file():
+def check_model_fits(cfg: GPTConfig, num_stages: int) -> None:
+    """The model must have at least one transformer block per stage."""
+    if cfg.num_layers < num_stages:
         raise InvalidInputError(
-            f"--schedules {path}: no {first} there (write it with `recycle plan JOB -o {directory / first}`)"
+            f"--model: {cfg.num_layers} layer(s) cannot fill {num_stages} stages (at least one block per "
+            f"stage: e.g. --model '{{\"num_layers\": {num_stages}}}')"
         )
-    return directory
+
+
+def check_min(flag: str, value: float | None, low: float, strict: bool = False) -> None:
+    """`value` (if given) must be >= `low` (> `low` if `strict`)."""
+    if value is not None and (value <= low if strict else value < low):
+        raise InvalidInputError(f"{flag} must be {'above' if strict else 'at least'} {low:g}, not {value:g}")
+
+
+def check_store_port(port: int) -> None:
+    """--store-port: 0 (a free port) or a port this machine can listen on now."""
+    if not 0 <= port < 65536:
+        raise InvalidInputError(f"--store-port {port}: expected 0 (any free port) or 1..65535")
+    if port == 0:
+        return
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            raise InvalidInputError(f"--store-port {port}: cannot listen there ({e.strerror})") from e
+
+
+def check_fresh_out(out: Path, checkpoints: Path, checkpointing: bool) -> None:
+    """--out must not hold an earlier run's accounting (it is appended to), nor, with checkpointing,
+    the checkpoint directory an earlier run's checkpoints (a restore would load them)."""
+    old = sorted(out.glob("acct_*.jsonl"))
+    if old:
+        raise InvalidInputError(
+            f"--out {out} already holds a run ({old[0].name}): use a new directory or delete that one"
+        )
+    if checkpointing and any(checkpoints.glob("stage*/it*.pt")):
+        raise InvalidInputError(
+            f"checkpoint directory {checkpoints} holds checkpoints of an earlier run: "
+            "use another --checkpoint-dir or delete them"
+        )
+
+
+def resolve_checkpoint_every(value: int | None) -> int:
+    """--checkpoint-every as given, else RECYCLE_CHECKPOINT_EVERY (runtime settings), else 0."""
+    return runtime_settings().checkpoint_every if value is None else value
+
+
+def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    """--checkpoint-dir and --checkpoint-every (default $RECYCLE_CHECKPOINT_EVERY, else 0: none)."""
+    p.add_argument("--checkpoint-dir", help="directory of the periodic checkpoints (stage<s>/it<k>.pt)")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        help="stepped iterations between checkpoints (default $RECYCLE_CHECKPOINT_EVERY or 0: none)",
+    )

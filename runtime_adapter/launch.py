@@ -6,112 +6,68 @@ from `schedule_for(failed set)` (the planner, or a directory of precomputed sche
 itself never plans), or the planner service, whose job it controls (fail / rejoin events). `restart`
 brings a worker back (it re-joins from a peer) and reports the rejoin.
 
+A worker that exits with an error (exit code > 0 other than the protocol codes 3-5) before its
+first step is a configuration error, not a failure to recover from: `poll` raises
+WorkerStartupError with the end of its log, and the launch stops.
+
 When a failure set is unrecoverable (every worker of a stage dead, as the launcher's failed set shows,
 the service's 409 answer says, or a worker that saw the job's `needs_restore` state exits with
 EXIT_NEEDS_RESTORE), `restore` kills the survivors, tells the publisher every worker is back and
-restarts all D x P workers with `--resume` from the newest complete checkpoint.
+restarts all D x P workers with `--resume` from the newest complete checkpoint. With checkpointing
+off (checkpoint_every 0) there is nothing to restore from: it raises LaunchError.
+
+Every death, re-join and restore is recorded in `history` (summary.LaunchEvent) for the summary.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
-from planner.contract import JobSpec
+from runtime_adapter import checkpoint
 from runtime_adapter.assignment import Worker
-from runtime_adapter.model import GPTConfig
+from runtime_adapter.launch_spec import SCHEDULE_FILE, LaunchSpec
+from runtime_adapter.progress import last_step, log_error
 from runtime_adapter.publishers import FilePublisher, Publisher, ScheduleFor, lost_stages, publish
-from runtime_adapter.worker import EXIT_NEEDS_RESTORE
+from runtime_adapter.summary import LaunchEvent
+from runtime_adapter.worker import EXIT_DROPPED, EXIT_NEEDS_RESTORE, EXIT_REJECTED
 
 logger = logging.getLogger(__name__)
 
-SCHEDULE_FILE = "schedule.json"
-__all__ = ["SCHEDULE_FILE", "LaunchSpec", "Launcher", "ScheduleFor", "publish"]
+__all__ = [
+    "SCHEDULE_FILE",
+    "LaunchError",
+    "LaunchSpec",
+    "Launcher",
+    "ScheduleFor",
+    "WorkerStartupError",
+    "publish",
+]
 
 
-@dataclass
-class LaunchSpec:
-    """What to start: pure data, so a dry run can show every worker's command line."""
+class LaunchError(RuntimeError):
+    """The launch cannot go on (a stage lost without a checkpoint, too many restores)."""
 
-    job: JobSpec
-    cfg: GPTConfig
-    num_iterations: int
-    out_dir: Path
-    backend: str = "gloo"
-    fail_at: dict[Worker, tuple[int, str]] = field(default_factory=dict)
-    checkpoint_every: int = 0
-    checkpoint_dir: Path | None = None  # default: <out_dir>/checkpoints
-    pace_ms: float = 0.0
 
-    @property
-    def checkpoints(self) -> Path:
-        """The checkpoint directory."""
-        return self.checkpoint_dir if self.checkpoint_dir is not None else self.out_dir / "checkpoints"
+class WorkerStartupError(LaunchError):
+    """A worker exited with an error before its first step: a configuration error."""
 
-    def workers(self) -> list[Worker]:
-        """All D x P workers."""
-        return [(d, s) for d in range(self.job.num_pipelines) for s in range(self.job.num_stages)]
-
-    def command(
-        self,
-        worker: Worker,
-        store_port: int,
-        rejoin: bool = False,
-        standby_key: str | None = None,
-        fail_at: tuple[int, str] | None = None,
-        source_args: list[str] | None = None,
-        resume: bool = False,
-    ) -> list[str]:
-        """The command line of `worker`'s process (a re-joiner's if `rejoin`; a warm standby's if
-        `standby_key`, which waits for the launcher to set that store key before joining; one that
-        starts from the newest complete checkpoint if `resume`). `source_args`: where it polls
-        (default: the schedule file in out_dir). The spec's `fail_at` applies to first starts only."""
-        d, s = worker
-        if source_args is None:
-            source_args = ["--schedule-file", str(self.out_dir / SCHEDULE_FILE)]
-        cmd = [
-            sys.executable, "-m", "runtime_adapter.cli", "worker",
-            "--job", str(self.out_dir / "job.json"),
-            "--pipeline", str(d), "--stage", str(s),
-            *source_args,
-            "--store", f"127.0.0.1:{store_port}",
-            "--iterations", str(self.num_iterations),
-            "--model", json.dumps(asdict(self.cfg)),
-            "--out", str(self.out_dir),
-            "--backend", self.backend,
-        ]  # fmt: skip
-        if self.checkpoint_every > 0:
-            cmd += ["--checkpoint-every", str(self.checkpoint_every)]
-        cmd += ["--checkpoint-dir", str(self.checkpoints)]
-        if self.pace_ms > 0:
-            cmd += ["--pace-ms", f"{self.pace_ms:g}"]
-        if rejoin:
-            cmd.append("--rejoin")
-        if resume:
-            cmd.append("--resume")
-        if standby_key is not None:
-            cmd += ["--standby-key", standby_key]
-        fail = fail_at if (rejoin or resume) else self.fail_at.get(worker)
-        if fail is not None:
-            cmd += ["--fail-at", f"{fail[0]}:{fail[1]}"]
-        return cmd
-
-    def dry_run(self, store_port: int = 0, source_args: list[str] | None = None) -> str:
-        """One line per worker: its command."""
-        return "\n".join(
-            f"{list(w)}: {' '.join(self.command(w, store_port, source_args=source_args))}"
-            for w in self.workers()
+    def __init__(self, worker: Worker, code: int, message: str, log: Path) -> None:
+        self.worker, self.code, self.log = worker, code, log
+        super().__init__(
+            f"worker {list(worker)} stopped during start-up with exit code {code}: {message} (log: {log})"
         )
+
+
+PROTOCOL_EXITS = (EXIT_NEEDS_RESTORE, EXIT_DROPPED, EXIT_REJECTED)
 
 
 class Launcher:
@@ -139,7 +95,9 @@ class Launcher:
         self.finished: set[Worker] = set()
         self.events: list[tuple[float, str, Worker]] = []
         self.store: dist.TCPStore | None = None
+        self.history: list[LaunchEvent] = []
         self.standbys: dict[Worker, list[tuple[str, subprocess.Popen[bytes]]]] = {}
+        self._started: dict[int, tuple[Path, int]] = {}  # pid -> (its log, accounting size at start)
         self.retired: list[subprocess.Popen[bytes]] = []
         self.num_standbys = 0
 
@@ -157,9 +115,16 @@ class Launcher:
         """Host the store, publish version 1 and start every worker."""
         self.spec.out_dir.mkdir(parents=True, exist_ok=True)
         (self.spec.out_dir / "job.json").write_text(self.spec.job.model_dump_json())
-        self.store = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-        )
+        try:
+            self.store = dist.TCPStore(
+                "127.0.0.1",
+                self.spec.store_port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=60),
+            )
+        except RuntimeError as e:  # e.g. --store-port taken since it was checked
+            raise LaunchError(f"cannot host the store on 127.0.0.1:{self.spec.store_port}: {e}") from e
         self.publisher.start()
         for w in self.spec.workers():
             self._spawn(w, rejoin=False)
@@ -181,10 +146,27 @@ class Launcher:
         cmd = self.spec.command(
             w, self.store.port, rejoin, standby_key, fail_at, self.publisher.worker_args(), resume
         )
+        acct = self.acct_path(w)
+        offset = acct.stat().st_size if acct.exists() else 0
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self._started[proc.pid] = (self.spec.out_dir / f"{name}.log", offset)
         if standby_key is None:
-            self.procs[w] = proc
+            self._set_proc(w, proc)
         return proc
+
+    def acct_path(self, w: Worker) -> Path:
+        """Worker `w`'s accounting file (JSON lines, appended by every process of `w`)."""
+        return self.spec.out_dir / f"acct_{w[0]}_{w[1]}.jsonl"
+
+    def _set_proc(self, w: Worker, proc: subprocess.Popen[bytes]) -> None:
+        """`proc` is now worker `w`'s process; its pid goes to <out>/worker_<d>_<s>.pid."""
+        self.procs[w] = proc
+        (self.spec.out_dir / f"worker_{w[0]}_{w[1]}.pid").write_text(f"{proc.pid}\n")
+
+    def _record(self, kind: str, w: Worker | None, **detail: object) -> None:
+        now = time.monotonic()
+        self.events.append((now, kind, w if w is not None else (-1, -1)))
+        self.history.append(LaunchEvent(now, kind, w, self.version, **detail))  # type: ignore[arg-type]
 
     def add_standby(self, w: Worker, fail_at: tuple[int, str] | None = None) -> None:
         """Start a warm replacement for `w` now (import, store connection); `activate` makes it join.
@@ -198,11 +180,13 @@ class Launcher:
         assert self.store is not None and w in self.failed
         key, proc = self.standbys[w].pop(0)
         self.retired.append(self.procs[w])
-        self.procs[w] = proc
+        self._set_proc(w, proc)
+        acct = self.acct_path(w)  # its steps are the ones appended from now on
+        self._started[proc.pid] = (self._started[proc.pid][0], acct.stat().st_size if acct.exists() else 0)
         self.failed.discard(w)
+        self._record("rejoin", w)
         self.publisher.report("rejoin", [w], "warm standby activated")
         self.store.set(key, str(self.version))
-        self.events.append((time.monotonic(), "rejoin", w))
 
     def poll(self) -> list[Worker]:
         """Reap exited workers and report the ones that died; restore from a checkpoint when the
@@ -216,13 +200,18 @@ class Launcher:
                 self.finished.add(w)
             else:
                 logger.warning("worker %s exited with %s", list(w), p.returncode)
-                self.events.append((time.monotonic(), "died", w))
+                log, offset = self._started.get(p.pid, (self.spec.out_dir / "?", 0))
+                it = last_step(self.acct_path(w), offset)
+                if it is None and p.returncode > 0 and p.returncode not in PROTOCOL_EXITS:
+                    self.terminate()
+                    raise WorkerStartupError(w, p.returncode, log_error(log), log)
+                self._record("died", w, iteration=None if it is None else it + 1, code=p.returncode)
                 died.append(w)
                 restore |= p.returncode == EXIT_NEEDS_RESTORE
         running = len(self.procs) - len(self.failed) - len(died) - len(self.finished)
         self.failed.update(died)
         if late_lost and running > 0:
-            self.restore(f"stages {late_lost} lost (late answer)")
+            self.restore(f"stage(s) {late_lost} lost (late answer)")
             return died
         if not died or (running == 0 and not restore):
             return died
@@ -231,24 +220,38 @@ class Launcher:
             reported = self.publisher.report("fail", died, "process exited").lost_stages
             lost = lost or reported
         if lost or restore:
-            self.restore(f"stages {lost} lost" if lost else "a worker saw needs_restore")
+            self.restore(
+                f"stage(s) {lost} lost (all their workers failed)" if lost else "a worker saw needs_restore"
+            )
         return died
 
     def restore(self, why: str) -> None:
-        """Stop every worker, tell the publisher all are back, restart all D x P with --resume."""
+        """Stop every worker, tell the publisher all are back, restart all D x P with --resume from the
+        newest complete checkpoint (from scratch if none is complete yet). LaunchError when
+        checkpointing is off or after `max_restores` restores."""
         self.restores += 1
+        if self.spec.checkpoint_every <= 0:
+            self.terminate()
+            raise LaunchError(
+                f"{why}: no checkpoint exists (checkpointing is off; --checkpoint-every N turns it on), "
+                "so the job cannot go on"
+            )
         if self.restores > self.max_restores:
             self.terminate()
-            raise RuntimeError(f"{why}: more than {self.max_restores} restores, giving up")
-        logger.error("%s: restoring every worker from the newest complete checkpoint", why)
+            raise LaunchError(f"{why}: more than {self.max_restores} restores, giving up")
+        k = checkpoint.latest_complete(self.spec.checkpoints, self.spec.job.num_stages)
+        if k is None:
+            logger.error("%s: no complete checkpoint yet: restarting every worker from iteration 0", why)
+        else:
+            logger.error("%s: restoring every worker from the checkpoint at iteration %d", why, k)
         self.terminate()
         self.retired.extend(self.procs.values())
         self.standbys.clear()
         self.failed.clear()
         self.finished.clear()
+        self._record("restore", None, checkpoint=k, why=why)
         version = self.publisher.restored()
         logger.info("restore: schedule v%d, restarting %d workers", version, len(self.procs))
-        self.events.append((time.monotonic(), "restore", (-1, -1)))
         for w in self.spec.workers():
             self._spawn(w, rejoin=False, resume=True)
 
@@ -260,7 +263,7 @@ class Launcher:
         """Start a failed worker again: it re-joins from a peer under the next version."""
         self.failed.discard(w)
         self._spawn(w, rejoin=True)
-        self.events.append((time.monotonic(), "rejoin", w))
+        self._record("rejoin", w)
         self.publisher.report("rejoin", [w], "restarted")
 
     def wait(

@@ -290,8 +290,8 @@ def job_spec_from_profile(
     num_microbatches: int,
     memory_capacity_mib: float | None,
 ) -> JobSpec:
-    """The CONTRACT.md job spec: every stage field measured; `cross_pipeline_ms` is the measured hop
-    (on one machine a re-routed hop is the same loopback transfer); capacity as given."""
+    """The job spec (docs/contract.md section 1): every stage field measured; `cross_pipeline_ms` is
+    the measured hop (on one machine a re-routed hop is the same loopback transfer); capacity as given."""
     return JobSpec.model_validate(
         {
             "name": name,

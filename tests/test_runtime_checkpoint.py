@@ -72,6 +72,8 @@ def test_whole_stage_lost_restarts_from_the_checkpoint(tmp_path: Path) -> None:
     codes = launcher.wait(timedelta(seconds=140))
     assert all(rc == 0 for rc in codes.values()), codes
     assert launcher.restores == 1, launcher.events
+    (restore,) = [e for e in launcher.history if e.kind == "restore"]
+    assert restore.checkpoint == 4 and "stage(s) [1] lost" in restore.why  # what the summary reports
     workers = spec.workers()
     for w in workers:
         resumed = [r["stepped"] for r in records(tmp_path, w) if r["event"] == "resume"]

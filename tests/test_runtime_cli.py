@@ -52,7 +52,7 @@ def test_launch_bad_input_exits_2(job: str, tmp_path: Path, capsys: pytest.Captu
     assert main(["launch", "--job", str(tmp_path / "missing.json"), "--schedules", ".", "--out", out]) == 2
     assert "cannot read job spec" in capsys.readouterr().err
     assert main(["launch", "--job", job, "--schedules", str(tmp_path), "--out", out]) == 2
-    assert "no failed-none.json" in capsys.readouterr().err
+    assert "no plan index for this job" in capsys.readouterr().err
     bad = tmp_path / "bad.json"
     bad.write_text('{"num_pipelines": 0}')
     assert main(["launch", "--job", str(bad), "--schedules", str(tmp_path), "--out", out]) == 2
@@ -60,20 +60,34 @@ def test_launch_bad_input_exits_2(job: str, tmp_path: Path, capsys: pytest.Captu
     assert not (tmp_path / "out").exists()  # nothing started
 
 
-def test_launch_progress_follows_appended_accounting(tmp_path: Path) -> None:
-    from runtime_adapter.progress import StepProgress
+def test_launch_status_line_follows_appended_accounting(tmp_path: Path) -> None:
+    from runtime_adapter.progress import JobMonitor
 
-    workers = [(0, 0), (1, 0)]
-    progress = StepProgress(tmp_path, workers, every_s=0.0)
-    assert progress.line(1, set(), 10) == "schedule v1: stepped 0-0 of 10 iterations"  # no file yet
+    progress = JobMonitor(tmp_path, 2, 1, 4)
+    progress.poll()
+    assert progress.status_line(1, set(), 10) == "schedule v1: stepped 0-0 of 10 iterations"  # no file yet
     a, b = tmp_path / "acct_0_0.jsonl", tmp_path / "acct_1_0.jsonl"
     a.write_text('{"event": "step", "it": 0}\n{"event": "step", "it": 1}\n{"event": "st')  # torn line
     b.write_text('{"event": "step", "it": 0}\n')
-    assert progress.line(1, set(), 10) == "schedule v1: stepped 1-2 of 10 iterations"
+    progress.poll()
+    assert progress.status_line(1, set(), 10) == "schedule v1: stepped 1-2 of 10 iterations"
     with a.open("a") as f:
         f.write('ep", "it": 2}\n{"event": "rollback", "to": 2, "version": 2}\n')
-    assert progress.line(2, {(1, 0)}, 10) == "schedule v2: stepped 2-2 of 10 iterations, failed [[1, 0]]"
-    assert StepProgress(tmp_path, workers, every_s=60.0).line(1, set(), 10) is None  # not due yet
+    progress.poll()
+    assert (
+        progress.status_line(2, {(1, 0)}, 10) == "schedule v2: stepped 2-2 of 10 iterations, failed [[1, 0]]"
+    )
+    assert progress.iterations_done({(1, 0)}) == 2
+
+
+def test_worker_rejects_a_model_with_fewer_layers_than_stages_and_bad_numbers(
+    job: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["--pipeline", "0", "--stage", "0", "--store", "h:1"]
+    assert main(worker_args(job, tmp_path, *base, "--model", '{"num_layers": 1}')) == 2
+    assert "1 layer(s) cannot fill 2 stages" in capsys.readouterr().err
+    assert main(worker_args(job, tmp_path, *base, "--pace-ms", "-1")) == 2
+    assert "--pace-ms must be at least 0" in capsys.readouterr().err
 
 
 def test_launcher_passes_a_token_that_starts_with_a_dash(job: str, tmp_path: Path) -> None:

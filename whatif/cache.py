@@ -4,6 +4,11 @@
 that the scenario is unrecoverable. Other strategies' figures go to `<dir>/<strategy>/<key>.json`
 so a second `recycle simulate` or `recycle whatif` replays nothing it has seen. Keys come from
 planner.normalize and include the job fingerprint, so one directory can serve several jobs.
+
+`recycle precompute` also writes `<dir>/index-<job fingerprint>.json` (`write_index`): the job spec,
+the largest failure count covered and every normalized failure set with its key. That index is
+what `recycle launch --schedules DIR` opens (runtime_adapter/schedules.py): it proves the plans are
+for the launch's job and says how far they go.
 """
 
 from __future__ import annotations
@@ -15,7 +20,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from planner.contract import JobSpec
+from planner.normalize import job_fingerprint
+
 log = logging.getLogger(__name__)
+
+INDEX_FORMAT = "recycle-plan-index/1"
+
+
+def index_name(job: JobSpec) -> str:
+    """File name of `job`'s index in a plan directory."""
+    return f"index-{job_fingerprint(job)}.json"
 
 
 class PlanCache:
@@ -62,6 +77,39 @@ class PlanCache:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+    def write_index(self, job: JobSpec, max_failures: int, plans: list[dict[str, Any]]) -> Path | None:
+        """Write (atomically) the index of `job`'s plans: every normalized failure set with up to
+        `max_failures` failures, as {"key", "failed"} entries (`failed` in canonical numbering)."""
+        if self.root is None:
+            return None
+        doc = {
+            "format": INDEX_FORMAT,
+            "fingerprint": job_fingerprint(job),
+            "job": job.model_dump(mode="json"),
+            "max_failures": max_failures,
+            "plans": plans,
+        }
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / index_name(job)
+        fd, tmp = tempfile.mkstemp(prefix=".index.", suffix=".tmp", dir=self.root)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                json.dump(doc, fh, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    def index_max_failures(self, job: JobSpec) -> int | None:
+        """The failure count `job`'s index covers (None: no readable index)."""
+        if self.root is None:
+            return None
+        try:
+            return int(json.loads((self.root / index_name(job)).read_text())["max_failures"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def has(self, key: str, kind: str = "") -> bool:
         """Whether a complete record exists for (kind, key), without parsing it: files are written

@@ -2,7 +2,9 @@
 
 Resumable: a scenario whose `<key>.json` already exists in the cache directory is skipped, and each
 plan is written atomically as soon as it is done, so an interrupted run loses at most the plans in
-flight. Reports how many physical failure sets normalization folded into how many plans.
+flight. Reports how many physical failure sets normalization folded into how many plans. When every
+plan is done it writes the job's index (`PlanCache.write_index`), which makes the directory one
+`recycle launch --schedules DIR` can run from (a directory without it was interrupted: run again).
 Planning is greedy only unless `use_cpsat` (bulk planning is where time matters).
 """
 
@@ -148,6 +150,10 @@ def precompute(
     already, planned, unrecoverable = plan_missing(
         job, scenarios, cache, num_workers, use_cpsat, time_limit, progress
     )
+    prior = cache.index_max_failures(job)
+    if prior is None or prior < max_failures:  # an index that covers more stays (its plans are all there)
+        index = [{"key": c.key, "failed": [list(w) for w in c.scenario.failed]} for c in scenarios]
+        cache.write_index(job, max_failures, index)
     stats = PrecomputeStats(
         physical, len(scenarios), already, planned, unrecoverable, time.perf_counter() - t0
     )

@@ -1,0 +1,239 @@
+"""`recycle launch`: its flags, the checks made before anything starts, and what it prints.
+
+Before any process starts: the job spec, the model (one block per stage), every numeric flag, the
+store port, a fresh --out, and the schedules (a precompute directory for this very job, or named
+schedule files that fit it) are checked; bad input is one line on stderr and exit 2. Then it prints
+where every output goes, the job id and page with --service, one line per iteration with the loss
+(also appended to <out>/loss.csv), a line for every failure, re-join and restore, and a summary
+(summary.py). Exit 0 when every worker that did not fail finished; 1 when the job could not go on
+(a stage lost with no checkpoint, no schedule for a failure set, the service refused, timeout); a
+worker that stopped during start-up with an error stops the launch with its error (exit 2 if the
+worker rejected its input, else 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from runtime_adapter.cli_inputs import (
+    add_checkpoint_args,
+    check_fresh_out,
+    check_min,
+    check_model_fits,
+    check_store_port,
+    read_job,
+    read_model,
+    resolve_checkpoint_every,
+)
+from runtime_adapter.settings import runtime_settings
+
+if TYPE_CHECKING:
+    from runtime_adapter.launch import Launcher, LaunchSpec
+    from runtime_adapter.progress import JobMonitor
+    from runtime_adapter.publishers import Publisher
+
+
+def add_launch_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`recycle launch`: a whole D x P job on this machine."""
+    p = sub.add_parser("launch", help="start D x P workers here; survivors keep going when one dies")
+    p.add_argument("--job", required=True, help="job spec JSON (docs/contract.md section 1)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--schedules",
+        metavar="DIR",
+        help="plans from `recycle precompute JOB -o DIR` (for this job spec), or hand-made schedules "
+        "named failed-none.json, failed-1.1.json, failed-0.2-1.1.json (failed workers d.s, sorted)",
+    )
+    src.add_argument("--service", help="planner service URL: register the job there and be its controller")
+    p.add_argument(
+        "--plan-on-demand",
+        action="store_true",
+        help="with --schedules: plan a failure set DIR has no plan for when it happens (greedy, up to a few "
+        "seconds) and add it to DIR; DIR may then be new",
+    )
+    p.add_argument("--controller-token", help="controller token (default $RECYCLE_CONTROLLER_TOKEN)")
+    p.add_argument(
+        "--max-failures",
+        type=int,
+        default=1,
+        help="with --service: the service precomputes plans for every failure set of up to this many "
+        "failed workers (default 1); larger sets are planned when they happen",
+    )
+    p.add_argument("--heartbeat-timeout", type=float, help="with --service: silence that fails a worker (s)")
+    add_checkpoint_args(p)
+    p.add_argument(
+        "--pace-ms", type=float, default=0.0, help="make each iteration last at least this long (default 0)"
+    )
+    p.add_argument("--iterations", type=int, default=10, help="iterations to train (default 10)")
+    p.add_argument("--model", default="{}", help="GPTConfig fields as JSON (at least one layer per stage)")
+    p.add_argument(
+        "--out", required=True, help="new directory for logs, accounting, loss.csv, final parameters"
+    )
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    p.add_argument(
+        "--store-port", type=int, default=0, help="port of the rendezvous store (default 0: a free one)"
+    )
+    p.add_argument("--print-every", type=int, default=1, help="print the loss every N iterations (default 1)")
+    p.add_argument(
+        "--timeout", type=float, help="seconds after which every worker is killed (default: no limit)"
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="check the inputs, print the worker commands and exit"
+    )
+    p.set_defaults(func=cmd_launch)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    check_min("--iterations", args.iterations, 1)
+    args.checkpoint_every = resolve_checkpoint_every(args.checkpoint_every)
+    check_min("--checkpoint-every", args.checkpoint_every, 0)
+    check_min("--pace-ms", args.pace_ms, 0)
+    check_min("--max-failures", args.max_failures, 0)
+    check_min("--heartbeat-timeout", args.heartbeat_timeout, 0, strict=True)
+    check_min("--timeout", args.timeout, 0, strict=True)
+    check_min("--print-every", args.print_every, 1)
+    check_store_port(args.store_port)
+
+
+def _publisher(args: argparse.Namespace, spec: LaunchSpec) -> Publisher | str:
+    """The publisher for --schedules or --service, or a one-line error (bad input)."""
+    from runtime_adapter.publishers import FilePublisher, ServicePublisher
+    from runtime_adapter.schedules import open_schedules
+
+    if args.schedules:
+        source = open_schedules(args.schedules, spec.job, args.plan_on_demand)
+        print(f"schedules: {source.describe()}")
+        return FilePublisher(spec.out_dir / "schedule.json", spec.job, source)
+    if args.plan_on_demand:
+        return "--plan-on-demand goes with --schedules (the service plans by itself)"
+    env_token = runtime_settings().controller_token
+    token = args.controller_token or (env_token.get_secret_value() if env_token else None)
+    if not token:
+        return "--service needs --controller-token or RECYCLE_CONTROLLER_TOKEN"
+    print(
+        f"schedules: from the planner service {args.service} (precomputed up to {args.max_failures} failures)"
+    )
+    return ServicePublisher(
+        args.service, token, spec.job, args.max_failures, heartbeat_timeout_s=args.heartbeat_timeout
+    )
+
+
+def _print_outputs(spec: LaunchSpec) -> None:
+    out = spec.out_dir
+    ckpt = (
+        f"every {spec.checkpoint_every} iterations"
+        if spec.checkpoint_every > 0
+        else "off (--checkpoint-every N)"
+    )
+    print(f"recycle launch: job {spec.job.name!r}, {spec.job.num_pipelines} x {spec.job.num_stages} workers, "
+          f"iterations 0..{spec.num_iterations - 1}; outputs in {out}:")  # fmt: skip
+    print(f"  worker logs     {out}/worker_<d>_<s>.log (process ids in worker_<d>_<s>.pid)")
+    print(f"  accounting      {out}/acct_<d>_<s>.jsonl (one JSON record per step, rollback, checkpoint)")
+    print(f"  loss            {out}/loss.csv (iteration, loss, version)")
+    print(f"  schedule        {out}/schedule.json (with --schedules: the version the workers poll)")
+    print(f"  checkpoints     {spec.checkpoints}: {ckpt}")
+    print(f"  final params    {out}/final_<d>_<s>.pt")
+
+
+class _Reporter:
+    """Prints the loss lines, the launcher's events and a status line when no loss came for 5 s."""
+
+    def __init__(self, monitor: JobMonitor, spec: LaunchSpec, every: int) -> None:
+        self.monitor, self.spec, self.every = monitor, spec, every
+        self.seen_events, self.last_print = 0, time.monotonic()
+
+    def __call__(self, lr: Launcher) -> None:
+        self.monitor.poll()
+        total = len(self.spec.workers())
+        for ev in lr.history[self.seen_events :]:
+            who = list(ev.worker) if ev.worker is not None else "every worker"
+            if ev.kind == "died":
+                where = "before its first step" if ev.iteration is None else f"in iteration {ev.iteration}"
+                print(f"worker {who} died {where} (exit {ev.code}); schedule now v{lr.version}", flush=True)
+            elif ev.kind == "rejoin":
+                print(f"worker {who} re-joins", flush=True)
+            else:
+                start = (
+                    "iteration 0" if ev.checkpoint is None else f"the checkpoint at iteration {ev.checkpoint}"
+                )
+                print(f"{ev.why}: restarting every worker from {start}", flush=True)
+        self.seen_events = len(lr.history)
+        last = self.spec.num_iterations - 1
+        for row in self.monitor.new_losses():
+            if row.iteration % self.every == 0 or row.iteration == last:
+                alive = total - len(lr.failed)
+                print(f"iteration {row.iteration:>3}/{last}  loss {row.loss:.4f}  schedule v{row.version}  "
+                      f"alive {alive}/{total}", flush=True)  # fmt: skip
+            self.last_print = time.monotonic()
+        if time.monotonic() - self.last_print > 5.0:
+            print(self.monitor.status_line(lr.version, lr.failed, self.spec.num_iterations), flush=True)
+            self.last_print = time.monotonic()
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    """Check everything, start the job, supervise it, print the training and a summary."""
+    from runtime_adapter.launch import Launcher, LaunchError, LaunchSpec, WorkerStartupError
+    from runtime_adapter.progress import JobMonitor
+    from runtime_adapter.publishers import PublisherError, ServicePublisher
+    from runtime_adapter.summary import summarize
+
+    def fail(msg: str, code: int) -> int:
+        print(f"recycle launch: {msg}", file=sys.stderr, flush=True)
+        return code
+
+    job, cfg = read_job(args.job), read_model(args.model)
+    check_model_fits(cfg, job.num_stages)
+    _check_flags(args)
+    ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    spec = LaunchSpec(job, cfg, args.iterations, Path(args.out), args.backend,
+                      checkpoint_every=args.checkpoint_every, checkpoint_dir=ckpt_dir, pace_ms=args.pace_ms,
+                      store_port=args.store_port)  # fmt: skip
+    check_fresh_out(spec.out_dir, spec.checkpoints, spec.checkpoint_every > 0)
+    publisher = _publisher(args, spec)
+    if isinstance(publisher, str):
+        return fail(publisher, 2)
+    if args.dry_run:
+        placeholders = ["--service", args.service, "--job-id", "<job id>", "--token", "<worker token>"]
+        print(spec.dry_run(source_args=placeholders if args.service else None))
+        return 0
+    _print_outputs(spec)
+    launcher = Launcher(spec, publisher=publisher)
+    monitor = JobMonitor(spec.out_dir, job.num_pipelines, job.num_stages, job.num_microbatches)
+    reporter = _Reporter(monitor, spec, args.print_every)
+    code = 0
+    try:
+        launcher.start()
+        assert launcher.store is not None
+        print(f"  store           127.0.0.1:{launcher.store.port}", flush=True)
+        if isinstance(publisher, ServicePublisher):
+            print(f"service job {publisher.job_id}: page {args.service.rstrip('/')}/jobs/{publisher.job_id}"
+                  " (open it with ?token=<controller token>)", flush=True)  # fmt: skip
+        limit = timedelta(seconds=args.timeout) if args.timeout is not None else timedelta(days=3650)
+        codes = launcher.wait(limit, reporter)
+    except WorkerStartupError as e:
+        return fail(str(e), 2 if e.code == 2 else 1)
+    except (LaunchError, PublisherError, TimeoutError, OSError) as e:
+        launcher.terminate()
+        code = fail(f"{e} (logs in {spec.out_dir})", 1)
+        codes = {w: int(p.returncode if p.returncode is not None else -1) for w, p in launcher.procs.items()}
+    except KeyboardInterrupt:
+        launcher.terminate()
+        code = fail("interrupted: every worker stopped", 130)
+        codes = {}
+    reporter(launcher)
+    for w, rc in sorted(codes.items()):
+        stopped = code and rc < 0 and w not in launcher.failed
+        print(f"worker {list(w)}: exit {rc}" + (" (stopped by the launcher)" if stopped else ""))
+    stepped = monitor.iterations_done(launcher.failed)
+    last = monitor.last_loss()
+    lines = summarize(launcher.history, monitor.version_seen, stepped, spec.num_iterations, launcher.version,
+                      None if last is None else (last.iteration, last.loss))  # fmt: skip
+    print("\n".join(lines), flush=True)
+    if code:
+        return code
+    return 0 if all(rc == 0 for w, rc in codes.items() if w not in launcher.failed) else 1

@@ -1,0 +1,95 @@
+"""What `recycle launch` starts: `LaunchSpec`, pure data, so a dry run can show every worker's command.
+
+Each worker is `python -m runtime_adapter.cli worker ...` with the job spec the launcher writes to
+`<out>/job.json`, the rendezvous store the launcher hosts on 127.0.0.1 (`store_port`, 0: a free
+port) and its schedule source (the schedule file in `<out>`, or the service).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from planner.contract import JobSpec
+from runtime_adapter.assignment import Worker
+from runtime_adapter.model import GPTConfig
+
+SCHEDULE_FILE = "schedule.json"
+
+
+@dataclass
+class LaunchSpec:
+    """What to start: pure data, so a dry run can show every worker's command line."""
+
+    job: JobSpec
+    cfg: GPTConfig
+    num_iterations: int
+    out_dir: Path
+    backend: str = "gloo"
+    fail_at: dict[Worker, tuple[int, str]] = field(default_factory=dict)
+    checkpoint_every: int = 0
+    checkpoint_dir: Path | None = None  # default: <out_dir>/checkpoints
+    pace_ms: float = 0.0
+    store_port: int = 0  # the rendezvous store's port; 0: a free one, chosen at start
+
+    @property
+    def checkpoints(self) -> Path:
+        """The checkpoint directory."""
+        return self.checkpoint_dir if self.checkpoint_dir is not None else self.out_dir / "checkpoints"
+
+    def workers(self) -> list[Worker]:
+        """All D x P workers."""
+        return [(d, s) for d in range(self.job.num_pipelines) for s in range(self.job.num_stages)]
+
+    def command(
+        self,
+        worker: Worker,
+        store_port: int,
+        rejoin: bool = False,
+        standby_key: str | None = None,
+        fail_at: tuple[int, str] | None = None,
+        source_args: list[str] | None = None,
+        resume: bool = False,
+    ) -> list[str]:
+        """The command line of `worker`'s process (a re-joiner's if `rejoin`; a warm standby's if
+        `standby_key`, which waits for the launcher to set that store key before joining; one that
+        starts from the newest complete checkpoint if `resume`). `source_args`: where it polls
+        (default: the schedule file in out_dir). The spec's `fail_at` applies to first starts only."""
+        d, s = worker
+        if source_args is None:
+            source_args = ["--schedule-file", str(self.out_dir / SCHEDULE_FILE)]
+        cmd = [
+            sys.executable, "-m", "runtime_adapter.cli", "worker",
+            "--job", str(self.out_dir / "job.json"),
+            "--pipeline", str(d), "--stage", str(s),
+            *source_args,
+            "--store", f"127.0.0.1:{store_port}",
+            "--iterations", str(self.num_iterations),
+            "--model", json.dumps(asdict(self.cfg)),
+            "--out", str(self.out_dir),
+            "--backend", self.backend,
+        ]  # fmt: skip
+        if self.checkpoint_every > 0:
+            cmd += ["--checkpoint-every", str(self.checkpoint_every)]
+        cmd += ["--checkpoint-dir", str(self.checkpoints)]
+        if self.pace_ms > 0:
+            cmd += ["--pace-ms", f"{self.pace_ms:g}"]
+        if rejoin:
+            cmd.append("--rejoin")
+        if resume:
+            cmd.append("--resume")
+        if standby_key is not None:
+            cmd += ["--standby-key", standby_key]
+        fail = fail_at if (rejoin or resume) else self.fail_at.get(worker)
+        if fail is not None:
+            cmd += ["--fail-at", f"{fail[0]}:{fail[1]}"]
+        return cmd
+
+    def dry_run(self, store_port: int | None = None, source_args: list[str] | None = None) -> str:
+        """One line per worker: its command (store port: `store_port`, else the spec's)."""
+        port = self.store_port if store_port is None else store_port
+        return "\n".join(
+            f"{list(w)}: {' '.join(self.command(w, port, source_args=source_args))}" for w in self.workers()
+        )

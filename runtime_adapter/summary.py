@@ -1,0 +1,84 @@
+"""The end-of-run summary of `recycle launch`: iterations, failures, recoveries, restores.
+
+Pure data in, lines out (no torch), so it is unit-tested on hand-made events. The launcher records
+a `LaunchEvent` for every death, re-join and restore (launch.py); the progress monitor (progress.py)
+records when it first saw a step of each schedule version. A recovery's time is from the launcher
+noticing the event to the first iteration stepped under a newer schedule version, as seen in the
+accounting files (it includes that iteration and the supervision tick, ~20 ms).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime_adapter.assignment import Worker
+
+
+@dataclass(frozen=True)
+class LaunchEvent:
+    """Something the launcher did or saw (monotonic time `t`).
+
+    kind: "died" (a worker exited non-zero; `iteration` is the one it was running, `code` its exit
+    code), "rejoin" (a worker came back), "restore" (every worker restarted; `checkpoint` is the
+    stepped count of the checkpoint they resume from, None: from scratch; `why` the reason).
+    `version_before` is the newest schedule version when it happened."""
+
+    t: float
+    kind: str
+    worker: Worker | None
+    version_before: int
+    iteration: int | None = None
+    code: int | None = None
+    checkpoint: int | None = None
+    why: str = ""
+
+
+def recovery_s(event: LaunchEvent, version_seen: dict[int, float]) -> float | None:
+    """Seconds from `event` to the first step under a version newer than `event.version_before`
+    (None: no such step was seen)."""
+    after = [t for v, t in version_seen.items() if v > event.version_before and t >= event.t]
+    return min(after) - event.t if after else None
+
+
+def _took(event: LaunchEvent, version_seen: dict[int, float]) -> str:
+    took = recovery_s(event, version_seen)
+    return "no iteration stepped after it" if took is None else f"training again after {took:.2f} s"
+
+
+def summarize(
+    events: list[LaunchEvent],
+    version_seen: dict[int, float],
+    stepped: int,
+    target: int,
+    final_version: int,
+    last_loss: tuple[int, float] | None = None,
+) -> list[str]:
+    """The summary lines. `stepped`: iterations every alive worker stepped; `last_loss`: (iteration,
+    loss) of the last iteration whose loss is known."""
+    head = f"summary: {stepped}/{target} iterations, last schedule v{final_version}"
+    if last_loss is not None:
+        head += f", loss {last_loss[1]:.4f} at iteration {last_loss[0]}"
+    lines = [head]
+    deaths = [e for e in events if e.kind == "died"]
+    restores = [e for e in events if e.kind == "restore"]
+    rejoins = [e for e in events if e.kind == "rejoin"]
+    lines.append(f"  failures: {len(deaths) or 'none'}")
+    for e in deaths:
+        assert e.worker is not None
+        where = "before its first step" if e.iteration is None else f"in iteration {e.iteration}"
+        lines.append(
+            f"    worker {list(e.worker)} died {where} (exit {e.code}) under v{e.version_before}: "
+            f"{_took(e, version_seen)}"
+        )
+    if rejoins:
+        who = ", ".join(str(list(e.worker)) for e in rejoins if e.worker is not None)
+        lines.append(f"  re-joins: {len(rejoins)} ({who})")
+    lines.append(f"  restores from a checkpoint: {len(restores) or 'none'}")
+    for e in restores:
+        start = (
+            "from scratch (no complete checkpoint)"
+            if e.checkpoint is None
+            else f"from iteration {e.checkpoint}"
+        )
+        lines.append(f"    {e.why}: every worker restarted {start}: {_took(e, version_seen)}")
+    return lines
