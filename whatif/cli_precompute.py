@@ -23,7 +23,12 @@ def add_precompute_parser(sub: Any) -> None:
         help="plan every scenario with 0, 1, ..., K failed workers (default 2; the number of failure "
         "sets grows like (D*P)^K, so 3 can take long on large grids)",
     )
-    p.add_argument("-o", "--output", required=True, help="plan cache directory (created if missing)")
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="plan directory (created if missing); `recycle launch --schedules DIR` runs from it",
+    )
     p.add_argument("--workers", type=int, default=2, help="planning processes (default 2)")
     p.add_argument("--time-limit", type=float, default=3.0, help="greedy (and CP-SAT) budget per plan, s")
     p.add_argument("--cpsat", action="store_true", help="also refine with CP-SAT (slow; default greedy only)")

@@ -49,14 +49,18 @@ class ProgressBar:
             step = max(1, self.total // 10)
             if self.done // step != before // step or self.done >= self.total:
                 elapsed = time.perf_counter() - self.t0
-                self.stream.write(f"{self.label}: {self.done}/{self.total} {elapsed:6.1f}s {note[:40]}\n")
+                self.stream.write(
+                    f"{self.label}: {self.done}/{self.total} done, {elapsed:.1f} s elapsed, {note[:60]}\n"
+                )
                 self.stream.flush()
             return
         width = 30
         filled = int(width * self.done / self.total)
         elapsed = time.perf_counter() - self.t0
         bar = "#" * filled + "." * (width - filled)
-        self.stream.write(f"\r{self.label} [{bar}] {self.done}/{self.total} {elapsed:6.1f}s {note[:40]:<40}")
+        self.stream.write(
+            f"\r{self.label} [{bar}] {self.done}/{self.total} done, {elapsed:.1f} s elapsed {note[:48]:<48}"
+        )
         if self.done >= self.total:
             self.stream.write("\n")
         self.stream.flush()
@@ -107,7 +111,7 @@ def plan_missing(
             already += 1
         else:
             todo[c.key] = c
-    bar = ProgressBar(len(todo), "planning", enabled=progress)
+    bar = ProgressBar(len(todo), "planning scenarios", enabled=progress)
     planned = unrecoverable = 0
     if not todo:
         return already, 0, 0
@@ -125,7 +129,11 @@ def plan_missing(
                 cache.put(rec["key"], rec)
                 planned += 1
                 unrecoverable += bool(rec["unrecoverable"])
-                note = "unrecoverable" if rec["unrecoverable"] else f"{rec['iteration_time_ms']:.1f} ms"
+                note = (
+                    "last: unrecoverable (a stage lost every worker)"
+                    if rec["unrecoverable"]
+                    else f"last plan: iteration time {rec['iteration_time_ms']:.1f} ms"
+                )
                 bar.advance(note=note)
     return already, planned, unrecoverable
 
