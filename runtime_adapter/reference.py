@@ -14,26 +14,36 @@ def make_optimizer(params: list[torch.nn.Parameter], lr: float = 0.05) -> torch.
 
 
 def train_reference(
-    cfg: GPTConfig, num_pipelines: int, num_stages: int, num_microbatches: int, num_iterations: int
+    cfg: GPTConfig,
+    num_pipelines: int,
+    num_stages: int,
+    num_microbatches: int,
+    num_iterations: int,
+    losses: list[float] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Train the whole model on the global batches for `num_iterations`; the stages' state dicts.
 
     The loss of each micro-batch is scaled by 1/(D*M), as the executor does, so one step here equals
-    one iteration of the pipelined run whatever its schedule.
+    one iteration of the pipelined run whatever its schedule. `losses`, if given, gets each
+    iteration's global loss (the mean of the unscaled micro-batch losses, before its step).
     """
     stages = build_stages(cfg, num_stages)
     optimizers = [make_optimizer(list(st.parameters())) for st in stages]
     data = SyntheticData(cfg)
     scale = 1.0 / (num_pipelines * num_microbatches)
     for it in range(num_iterations):
+        total = 0.0
         for d in range(num_pipelines):
             for m in range(num_microbatches):
                 tokens, targets = data.microbatch(it, d, m)
                 x = tokens
                 for st in stages[:-1]:
                     x = st(x)
-                loss = stages[-1](x, targets) * scale
-                loss.backward()
+                loss = stages[-1](x, targets)
+                total += float(loss.detach())
+                (loss * scale).backward()
+        if losses is not None:
+            losses.append(total * scale)
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)

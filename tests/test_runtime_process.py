@@ -19,8 +19,8 @@ from planner.plan import plan
 from runtime_adapter.accounting import committed, iteration_losses
 from runtime_adapter.assignment import Worker
 from runtime_adapter.launch import Launcher, LaunchSpec, publish
-from runtime_adapter.model import GPTConfig, SyntheticData, build_stages
-from runtime_adapter.reference import make_optimizer, relative_error, train_reference
+from runtime_adapter.model import GPTConfig
+from runtime_adapter.reference import relative_error, train_reference
 from tests.jobs import tiny_job
 
 pytestmark = pytest.mark.timeout(300)
@@ -60,29 +60,12 @@ def reference_losses(
     num_pipelines: int, num_stages: int, num_microbatches: int, num_iterations: int
 ) -> list[float]:
     """The global loss of each iteration of single-process training (mean over the D*M micro-batches
-    of the unscaled loss, before that iteration's step), computed directly."""
+    of the unscaled loss, before that iteration's step), from train_reference."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        stages = build_stages(CFG, num_stages)
-        optimizers = [make_optimizer(list(st.parameters())) for st in stages]
-        data, n = SyntheticData(CFG), num_pipelines * num_microbatches
-        losses = []
-        for it in range(num_iterations):
-            total = 0.0
-            for d in range(num_pipelines):
-                for m in range(num_microbatches):
-                    tokens, targets = data.microbatch(it, d, m)
-                    x = tokens
-                    for st in stages[:-1]:
-                        x = st(x)
-                    loss = stages[-1](x, targets)
-                    total += float(loss.detach())
-                    (loss / n).backward()
-            for opt in optimizers:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            losses.append(total / n)
+        losses: list[float] = []
+        train_reference(CFG, num_pipelines, num_stages, num_microbatches, num_iterations, losses=losses)
         return losses
     finally:
         torch.set_num_threads(threads)
