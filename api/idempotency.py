@@ -9,8 +9,9 @@ body it is refused (422). Keys are kept as long as the job, in SQLite: they surv
 
 The answer holds the worker token, which the service otherwise keeps only hashed. It is stored
 encrypted with a key stream derived from the Idempotency-Key (SHAKE-256), which the store does not
-keep: reading the SQLite file does not reveal the token; the retrying client, who knows the key, gets
-it back. Use a random key (a UUID) per registration.
+keep: reading the SQLite file does not reveal the token as long as the key cannot be guessed (keys
+shorter than 16 characters are refused); the retrying client, who knows the key, gets it back. Use a
+random key (a UUID) per registration.
 """
 
 from __future__ import annotations
@@ -24,14 +25,15 @@ from api.models import JobCreate, JobCreated
 from api.records import IdempotencyRecord
 from planner.errors import InvalidInputError
 
-MAX_KEY_LENGTH = 255
+MIN_KEY_LENGTH, MAX_KEY_LENGTH = 16, 255  # 16+: a key short enough to guess would unseal the token
 
 
 def check_key(key: str) -> None:
-    """A key is 1..255 visible ASCII characters; InvalidInputError (422) otherwise."""
-    if not 1 <= len(key) <= MAX_KEY_LENGTH or not all(33 <= ord(c) <= 126 for c in key):
+    """A key is 16..255 visible ASCII characters; InvalidInputError (422) otherwise."""
+    if not MIN_KEY_LENGTH <= len(key) <= MAX_KEY_LENGTH or not all(33 <= ord(c) <= 126 for c in key):
         raise InvalidInputError(
-            f"Idempotency-Key: must be 1 to {MAX_KEY_LENGTH} visible ASCII characters (e.g. a UUID)"
+            f"Idempotency-Key: must be {MIN_KEY_LENGTH} to {MAX_KEY_LENGTH} visible ASCII characters "
+            "(a random one, e.g. a UUID)"
         )
 
 

@@ -57,7 +57,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if rt.view is None:
                 await service.ensure_version(rt)
             if rt.record.precompute_total == 0 or rt.record.precompute_done < rt.record.precompute_total:
-                tasks.add(asyncio.create_task(precompute(service, rt)))
+                tasks.add(asyncio.create_task(precompute(service, rt), name=f"precompute-{rt.record.id}"))
         tasks.add(asyncio.create_task(heartbeat_loop(service)))
         gc.collect()
         gc.freeze()  # start-up objects leave the collector's generations: shorter pauses under load

@@ -6,8 +6,8 @@ from `schedule_for(failed set)` (the planner, or a directory of precomputed sche
 itself never plans), or the planner service, whose job it controls (fail / rejoin events). `restart`
 brings a worker back (it re-joins from a peer) and reports the rejoin.
 
-A worker that exits with an error (exit code > 0 other than the protocol codes 3-5) before its
-first step is a configuration error, not a failure to recover from: `poll` raises
+A worker on its first start that exits with an error (exit code > 0 other than the protocol codes
+3-5) before its first step is a configuration error, not a failure to recover from: `poll` raises
 WorkerStartupError with the end of its log, and the launch stops.
 
 When a failure set is unrecoverable (every worker of a stage dead, as the launcher's failed set shows,
@@ -97,7 +97,8 @@ class Launcher:
         self.store: dist.TCPStore | None = None
         self.history: list[LaunchEvent] = []
         self.standbys: dict[Worker, list[tuple[str, subprocess.Popen[bytes]]]] = {}
-        self._started: dict[int, tuple[Path, int]] = {}  # pid -> (its log, accounting size at start)
+        # pid -> (its log, accounting size at start, first start of the job: not a re-join/standby/resume)
+        self._started: dict[int, tuple[Path, int, bool]] = {}
         self.retired: list[subprocess.Popen[bytes]] = []
         self.num_standbys = 0
 
@@ -149,7 +150,8 @@ class Launcher:
         acct = self.acct_path(w)
         offset = acct.stat().st_size if acct.exists() else 0
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        self._started[proc.pid] = (self.spec.out_dir / f"{name}.log", offset)
+        first = not rejoin and not resume and standby_key is None
+        self._started[proc.pid] = (self.spec.out_dir / f"{name}.log", offset, first)
         if standby_key is None:
             self._set_proc(w, proc)
         return proc
@@ -182,7 +184,11 @@ class Launcher:
         self.retired.append(self.procs[w])
         self._set_proc(w, proc)
         acct = self.acct_path(w)  # its steps are the ones appended from now on
-        self._started[proc.pid] = (self._started[proc.pid][0], acct.stat().st_size if acct.exists() else 0)
+        self._started[proc.pid] = (
+            self._started[proc.pid][0],
+            acct.stat().st_size if acct.exists() else 0,
+            False,
+        )
         self.failed.discard(w)
         self._record("rejoin", w)
         self.publisher.report("rejoin", [w], "warm standby activated")
@@ -200,9 +206,11 @@ class Launcher:
                 self.finished.add(w)
             else:
                 logger.warning("worker %s exited with %s", list(w), p.returncode)
-                log, offset = self._started.get(p.pid, (self.spec.out_dir / "?", 0))
+                log, offset, first = self._started.get(p.pid, (self.spec.out_dir / "?", 0, False))
                 it = last_step(self.acct_path(w), offset)
-                if it is None and p.returncode > 0 and p.returncode not in PROTOCOL_EXITS:
+                # Only a first start can reveal bad configuration: a re-joiner, standby or resumed
+                # worker ran the same configuration before, so its error is a failure like any other.
+                if first and it is None and p.returncode > 0 and p.returncode not in PROTOCOL_EXITS:
                     self.terminate()
                     raise WorkerStartupError(w, p.returncode, log_error(log), log)
                 self._record("died", w, iteration=None if it is None else it + 1, code=p.returncode)

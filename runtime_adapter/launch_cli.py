@@ -14,6 +14,7 @@ worker rejected its input, else 1).
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from datetime import timedelta
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from runtime_adapter.launch import Launcher, LaunchSpec
     from runtime_adapter.progress import JobMonitor
     from runtime_adapter.publishers import Publisher
+
+logger = logging.getLogger(__name__)
 
 
 def add_launch_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -175,6 +178,15 @@ class _Reporter:
             self.last_print = time.monotonic()
 
 
+def _finish(publisher: Publisher) -> None:
+    """Tell the publisher the job is over after the launcher stopped every worker (with --service:
+    heartbeats off, so the stopped workers are not declared failed later); best effort."""
+    try:
+        publisher.finish()
+    except Exception as e:  # the launch is already failing: report, do not mask its error
+        logger.warning("could not close the job with its publisher: %s", e)
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     """Check everything, start the job, supervise it, print the training and a summary."""
     from runtime_adapter.launch import Launcher, LaunchError, LaunchSpec, WorkerStartupError
@@ -194,6 +206,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
                       checkpoint_every=args.checkpoint_every, checkpoint_dir=ckpt_dir, pace_ms=args.pace_ms,
                       store_port=args.store_port)  # fmt: skip
     check_fresh_out(spec.out_dir, spec.checkpoints, spec.checkpoint_every > 0)
+    if args.dry_run and args.schedules and args.plan_on_demand:  # a dry run neither plans nor writes
+        print(f"schedules: {args.schedules} (planned on demand when the job runs)")
+        print(spec.dry_run())
+        return 0
     publisher = _publisher(args, spec)
     if isinstance(publisher, str):
         return fail(publisher, 2)
@@ -216,13 +232,16 @@ def cmd_launch(args: argparse.Namespace) -> int:
         limit = timedelta(seconds=args.timeout) if args.timeout is not None else timedelta(days=3650)
         codes = launcher.wait(limit, reporter)
     except WorkerStartupError as e:
+        _finish(publisher)
         return fail(str(e), 2 if e.code == 2 else 1)
     except (LaunchError, PublisherError, TimeoutError, OSError) as e:
         launcher.terminate()
+        _finish(publisher)
         code = fail(f"{e} (logs in {spec.out_dir})", 1)
         codes = {w: int(p.returncode if p.returncode is not None else -1) for w, p in launcher.procs.items()}
     except KeyboardInterrupt:
         launcher.terminate()
+        _finish(publisher)
         code = fail("interrupted: every worker stopped", 130)
         codes = {}
     reporter(launcher)

@@ -28,10 +28,20 @@ class GPTConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        sizes = (
+            self.vocab_size,
+            self.seq_len,
+            self.hidden,
+            self.num_heads,
+            self.num_layers,
+            self.microbatch_size,
+        )
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (*sizes, self.seed)):
+            raise ValueError(f"every field must be a whole number: {self}")
+        if min(sizes) < 1:
+            raise ValueError(f"every size must be positive: {self}")
         if self.hidden % self.num_heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of num_heads ({self.num_heads})")
-        if min(self.vocab_size, self.seq_len, self.hidden, self.num_layers, self.microbatch_size) < 1:
-            raise ValueError(f"every size must be positive: {self}")
 
 
 class Block(nn.Module):

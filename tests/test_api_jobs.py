@@ -87,34 +87,36 @@ def test_list_jobs_auth_and_bounds(client: TestClient) -> None:
 
 
 def test_idempotency_key_replays_first_answer(client: TestClient) -> None:
-    first = register(client, key="launch-0001")
+    first = register(client, key="launch-0001-3f9a2c")
     assert first.status_code == 201 and "idempotent-replayed" not in first.headers
-    again = register(client, key="launch-0001")
+    again = register(client, key="launch-0001-3f9a2c")
     assert again.status_code == 201 and again.json() == first.json()
     assert again.headers["idempotent-replayed"] == "true"
     # the replayed worker token works: same job
     token = {"Authorization": f"Bearer {again.json()['worker_token']}"}
     assert client.get(f"/v1/jobs/{first.json()['id']}", headers=token).status_code == 200
-    other = register(client, key="launch-0001", max_failures=1)  # same key, another body
+    other = register(client, key="launch-0001-3f9a2c", max_failures=1)  # same key, another body
     assert other.status_code == 422 and "different request body" in other.json()["detail"]
-    assert register(client, key="launch-0002").json()["id"] != first.json()["id"]
+    assert register(client, key="launch-0002-8b1d4e").json()["id"] != first.json()["id"]
     assert register(client).json()["id"] != register(client).json()["id"]  # no key: a job each time
-    for bad in ("", "x" * 256, "has space"):
+    for bad in ("", "short-key-15chr", "x" * 256, "has space padding"):
         assert register(client, key=bad).status_code == 422
 
 
 def test_idempotency_key_survives_a_restart(tmp_path: Path) -> None:
     with make_client(tmp_path) as c:
-        first = register(c, key="k-restart")
+        first = register(c, key="key-restart-5e7c1a")
         assert first.status_code == 201
     db = sqlite3.connect(tmp_path / "recycle.sqlite3")
     stored = " ".join(str(v) for row in db.execute("SELECT * FROM idempotency") for v in row)
     db.close()
-    assert first.json()["worker_token"] not in stored and "k-restart" not in stored  # neither in clear
+    assert (
+        first.json()["worker_token"] not in stored and "key-restart-5e7c1a" not in stored
+    )  # neither in clear
     with make_client(tmp_path) as c:
-        again = register(c, key="k-restart")
+        again = register(c, key="key-restart-5e7c1a")
         assert again.status_code == 201 and again.json() == first.json()
-        assert register(c, key="k-restart", max_failures=0).status_code == 422
+        assert register(c, key="key-restart-5e7c1a", max_failures=0).status_code == 422
         assert len(c.get("/v1/jobs", headers=CTL).json()["jobs"]) == 1
 
 
@@ -150,3 +152,21 @@ def test_insecure_dev_counts_worker_token_polls_only(tmp_path: Path) -> None:
         assert wait_failed(c, created["id"], 1.2) == []
         assert c.get(url, headers={"Authorization": f"Bearer {created['worker_token']}"}).status_code == 200
         assert wait_failed(c, created["id"], 10) == [[0, 1]]
+
+
+def test_a_replay_starts_the_precompute_a_failed_first_attempt_never_started(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import api.routes.jobs as routes
+
+    key = "launch-lost-answer-7d2e91"
+    with monkeypatch.context() as m:  # the first attempt commits the job, then dies before precompute
+        m.setattr(routes, "_start_precompute", lambda *args: None)
+        first = register(client, key=key)
+    job = f"/v1/jobs/{first.json()['id']}"
+    assert client.get(job, headers=CTL).json()["precompute"]["total"] == 0
+    assert register(client, key=key).json() == first.json()
+    deadline = time.monotonic() + 60
+    while client.get(job, headers=CTL).json()["precompute"]["total"] == 0:
+        assert time.monotonic() < deadline, "the replay did not start the precompute"
+        time.sleep(0.05)

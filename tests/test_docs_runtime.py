@@ -4,7 +4,6 @@ rot. One real 2 x 2 run with torch workers: ~30 s on two idle cores."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -62,9 +61,5 @@ def test_the_documented_example_runs(tmp_path: Path) -> None:
     run = tmp_path / "run"
     assert all((run / f"final_{d}_{s}.pt").is_file() for d, s in [(0, 0), (0, 1), (1, 0)])
     rows = (run / "loss.csv").read_text().splitlines()
-    last_stage = [json.loads(line) for line in (run / "acct_0_1.jsonl").read_text().splitlines()]
-    if any("loss_n" in r for r in last_stage):  # the workers report losses: every iteration has one
-        assert len(rows) == 21 and "iteration  19/19  loss" in out, out[-3000:]
-        assert rows[-1].endswith(",2")  # the last iterations ran under the re-routed schedule v2
-    else:
-        assert rows == ["iteration,loss,version"]
+    assert len(rows) == 21 and "iteration  19/19  loss" in out, out[-3000:]  # a loss every iteration
+    assert rows[-1].endswith(",2")  # the last iterations ran under the re-routed schedule v2

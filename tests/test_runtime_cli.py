@@ -37,6 +37,8 @@ def worker_args(job: str, tmp_path: Path, *extra: str) -> list[str]:
         (["--pipeline", "0", "--stage", "0", "--store", "h:1", "--model", "{"], "--model '{'"),
         (["--pipeline", "0", "--stage", "0", "--store", "h:1", "--model", '{"hidden": 3}'], "multiple"),
         (["--pipeline", "0", "--stage", "0", "--store", "h:1", "--model", '{"nope": 1}'], "nope"),
+        (["--pipeline", "0", "--stage", "0", "--store", "h:1", "--model", '{"num_heads": 0}'], "positive"),
+        (["--pipeline", "0", "--stage", "0", "--store", "h:1", "--model", '{"hidden": 3.5}'], "whole"),
     ],
 )
 def test_worker_bad_input_exits_2(

@@ -206,3 +206,13 @@ def test_a_store_port_in_use_is_bad_input(
         assert main(launch(inputs, tmp_path / "run", "--store-port", str(port))) == 2
     err = capsys.readouterr().err
     assert f"--store-port {port}: cannot listen there" in err and "Traceback" not in err
+
+
+def test_a_dry_run_with_plan_on_demand_neither_plans_nor_writes(
+    inputs: tuple[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plans, out = tmp_path / "new-plans", tmp_path / "run"
+    argv = ["launch", "--job", inputs[0], "--schedules", str(plans), "--plan-on-demand", "--out", str(out)]
+    assert main([*argv, "--dry-run"]) == 0
+    assert "[1, 1]: " in capsys.readouterr().out  # every worker's command line
+    assert not plans.exists()

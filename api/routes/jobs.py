@@ -51,6 +51,17 @@ def job_status(service: JobService, rt: JobRuntime) -> JobStatus:
     )
 
 
+def _start_precompute(request: Request, service: JobService, rt: JobRuntime) -> None:
+    """Start the job's background precompute unless a task for it is already running."""
+    tasks: set[asyncio.Task[None]] = request.app.state.tasks
+    name = f"precompute-{rt.record.id}"
+    if any(t.get_name() == name and not t.done() for t in tasks):
+        return
+    task = asyncio.create_task(precompute(service, rt), name=name)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+
+
 @router.post("", status_code=201, response_model=JobCreated, responses=_CREATE_RESPONSES)
 async def create_job(
     body: JobCreate,
@@ -67,14 +78,14 @@ async def create_job(
         old = service.store.get_idempotency(key_hash(idempotency_key))
         if old is not None:
             answer = replayed_answer(old, idempotency_key, body)
-            await service.ensure_version(service.get(old.job_id))  # the first attempt may still run
+            rt = service.get(old.job_id)
+            await service.ensure_version(rt)  # the first attempt may still run
+            if rt.record.precompute_total == 0:  # the first attempt may have failed before starting it
+                _start_precompute(request, service, rt)
             response.headers["Idempotent-Replayed"] = "true"
             return answer
     rt, token = await service.create(body, idempotency_key)
-    tasks: set[asyncio.Task[None]] = request.app.state.tasks
-    task = asyncio.create_task(precompute(service, rt))
-    tasks.add(task)
-    task.add_done_callback(tasks.discard)
+    _start_precompute(request, service, rt)
     return JobCreated(id=rt.record.id, worker_token=token, version=1, state="running")
 
 
