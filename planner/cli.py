@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+from planner.cli_io import finite_float
 from planner.contract import FailureScenario, JobSpec, Schedule
 from planner.errors import InvalidInputError, ScheduleRuleError, UnrecoverableScenarioError
 from planner.outputs.gantt_stages import STAGE_VIEW_ABOVE
@@ -164,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", help="write a Chrome trace JSON (open in Perfetto) here")
     p.add_argument(
         "--time-limit",
-        type=float,
+        type=finite_float,
         default=10.0,
         help="CP-SAT time limit in seconds (default 10); the greedy portfolio before it gets the same, "
         "or RECYCLE_GREEDY_BUDGET_S if smaller",
@@ -189,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmark baselines and the adaptive planner over instances")
     b.add_argument("instances", nargs="*", help="job specs (default: examples/*.json)")
     b.add_argument("--out", default="bench-results", help="directory for results.json and results.md")
-    b.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit per case, seconds")
+    b.add_argument(
+        "--time-limit", type=finite_float, default=10.0, help="CP-SAT time limit per case, seconds"
+    )
     b.add_argument("--max-failures", type=int, default=3, help="failure counts 0..N (default 3)")
     b.set_defaults(func=cmd_bench)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 from pathlib import Path
 from typing import TypeVar
@@ -137,3 +139,14 @@ def write_output(path: str, text: str, flag: str) -> None:
         p.write_text(text)
     except OSError as exc:
         raise InvalidInputError(f"{flag} {path}: cannot write: {exc.strerror or exc}") from exc
+
+
+def finite_float(text: str) -> float:
+    """argparse type of every float flag: a finite number (NaN and infinity are refused, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value

@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from planner.cli_io import finite_float
 from planner.errors import InvalidInputError
 from runtime_adapter.cli_inputs import (
     add_checkpoint_args,
@@ -56,7 +57,9 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     add_checkpoint_args(p)
     p.add_argument("--resume", action="store_true", help="start from the newest complete checkpoint")
-    p.add_argument("--pace-ms", type=float, default=0.0, help="make each iteration last at least this long")
+    p.add_argument(
+        "--pace-ms", type=finite_float, default=0.0, help="make each iteration last at least this long"
+    )
     p.set_defaults(func=cmd_worker)
 
 
@@ -127,7 +130,7 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument("--microbatches", type=int, default=4, help="M, micro-batches per pipeline")
     p.add_argument(
         "--memory-gib",
-        type=float,
+        type=finite_float,
         help="memory_capacity_mib per worker, in GiB (default: this machine's RAM / (D*P))",
     )
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per op (median), after 2 warm-ups")

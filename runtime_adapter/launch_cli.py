@@ -21,6 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from planner.cli_io import finite_float
 from runtime_adapter.cli_inputs import (
     add_checkpoint_args,
     check_fresh_out,
@@ -67,10 +68,15 @@ def add_launch_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         help="with --service: the service precomputes plans for every failure set of up to this many "
         "failed workers (default 1); larger sets are planned when they happen",
     )
-    p.add_argument("--heartbeat-timeout", type=float, help="with --service: silence that fails a worker (s)")
+    p.add_argument(
+        "--heartbeat-timeout", type=finite_float, help="with --service: silence that fails a worker (s)"
+    )
     add_checkpoint_args(p)
     p.add_argument(
-        "--pace-ms", type=float, default=0.0, help="make each iteration last at least this long (default 0)"
+        "--pace-ms",
+        type=finite_float,
+        default=0.0,
+        help="make each iteration last at least this long (default 0)",
     )
     p.add_argument("--iterations", type=int, default=10, help="iterations to train (default 10)")
     p.add_argument("--model", default="{}", help="GPTConfig fields as JSON (at least one layer per stage)")
@@ -83,7 +89,7 @@ def add_launch_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     p.add_argument("--print-every", type=int, default=1, help="print the loss every N iterations (default 1)")
     p.add_argument(
-        "--timeout", type=float, help="seconds after which every worker is killed (default: no limit)"
+        "--timeout", type=finite_float, help="seconds after which every worker is killed (default: no limit)"
     )
     p.add_argument(
         "--dry-run", action="store_true", help="check the inputs, print the worker commands and exit"

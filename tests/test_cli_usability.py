@@ -219,3 +219,41 @@ def test_max_failures_help_gives_default_and_meaning(
         main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--max-failures" in text and default in text and "0, 1, ..., K failed workers" in text
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "JOB", "--time-limit", "nan"],
+        ["bench", "JOB", "--time-limit", "inf"],
+        ["whatif", "JOB", "--time-limit", "nan"],
+        ["precompute", "JOB", "-o", "plans", "--time-limit=-inf"],
+        ["launch", "--job", "JOB", "--schedules", "d", "--out", "o", "--timeout", "nan"],
+        ["launch", "--job", "JOB", "--schedules", "d", "--out", "o", "--pace-ms", "inf"],
+        [
+            "worker",
+            "--job",
+            "JOB",
+            "--pipeline",
+            "0",
+            "--stage",
+            "0",
+            "--schedule-file",
+            "f",
+            "--store",
+            "h:1",
+            "--iterations",
+            "1",
+            "--out",
+            "o",
+            "--pace-ms",
+            "nan",
+        ],
+    ],
+)
+def test_float_flags_refuse_nan_and_infinity(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([a.replace("JOB", "examples/gpt3-1.3b-p4d4.json") for a in argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "is not a finite number" in err and "Traceback" not in err

@@ -14,6 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from planner.cli_io import finite_float
 from planner.contract import FailureScenario, JobSpec
 from planner.errors import InvalidInputError
 from whatif.cache import PlanCache
@@ -48,7 +49,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategies", default=",".join(ALL_STRATEGIES), help="comma-separated strategies")
     p.add_argument("--workers", type=int, default=2, help="planning processes for cache misses (default 2)")
     p.add_argument(
-        "--time-limit", type=float, default=3.0, help="greedy budget per plan, seconds (default 3)"
+        "--time-limit", type=finite_float, default=3.0, help="greedy budget per plan, seconds (default 3)"
     )
     c = p.add_argument_group("recovery costs (durations: number with unit s/m/h/d; bare numbers are seconds)")
     c.add_argument("--checkpoint-cost", type=_duration("s"), default=Costs.checkpoint_s)

@@ -7,6 +7,7 @@ import json
 from datetime import timedelta
 from typing import Any
 
+from planner.cli_io import finite_float
 from planner.contract import JobSpec
 from planner.errors import InvalidInputError
 from whatif.cache import PlanCache
@@ -30,7 +31,9 @@ def add_precompute_parser(sub: Any) -> None:
         help="plan directory (created if missing); `recycle launch --schedules DIR` runs from it",
     )
     p.add_argument("--workers", type=int, default=2, help="planning processes (default 2)")
-    p.add_argument("--time-limit", type=float, default=3.0, help="greedy (and CP-SAT) budget per plan, s")
+    p.add_argument(
+        "--time-limit", type=finite_float, default=3.0, help="greedy (and CP-SAT) budget per plan, s"
+    )
     p.add_argument("--cpsat", action="store_true", help="also refine with CP-SAT (slow; default greedy only)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
