@@ -40,11 +40,13 @@ from planner.plan import plan
 from planner.simulator import validate
 from runtime_adapter.assignment import Worker
 from runtime_adapter.launch import Launcher, LaunchSpec
-from runtime_adapter.model import GPTConfig
-from runtime_adapter.profile import StageMeasurement, job_spec_from_profile, measure_comm, profile_stages
+from runtime_adapter.model import GPTConfig, gpt_training
+from runtime_adapter.profile import StageMeasurement, profile_stages
+from runtime_adapter.profile_comm import job_spec_from_profile, measure_comm
 from runtime_adapter.reference import relative_error
 
 CFG = GPTConfig(vocab_size=256, hidden=256, num_heads=4, num_layers=4, seq_len=64, microbatch_size=1)
+HOP = (CFG.microbatch_size, CFG.seq_len, CFG.hidden)  # one activation between stages
 VICTIM: Worker = (1, 1)
 
 
@@ -94,7 +96,9 @@ class AliveSpec(LaunchSpec):
 
 def run_ours(job: JobSpec, schedule: Schedule, iterations: int, warmup: int, failed: set[Worker]) -> dict:
     out = Path(tempfile.mkdtemp(prefix="bench-ours-"))
-    launcher = Launcher(AliveSpec(job, CFG, iterations, out, absent=frozenset(failed)), lambda _f: schedule)
+    launcher = Launcher(
+        AliveSpec(job, asdict(CFG), iterations, out, absent=frozenset(failed)), lambda _f: schedule
+    )
     launcher.start()
     codes = launcher.wait(timedelta(seconds=600))
     alive = launcher.spec.workers()
@@ -230,7 +234,7 @@ def bench_recovery(job2: JobSpec, kills: int) -> dict:
     for failed in (frozenset(), frozenset([VICTIM])):  # precomputed, as the CLI's --schedules directory
         cache[failed] = plan(job2, FailureScenario(failed=sorted(failed)), use_cpsat=False).schedule
     out = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
-    launcher = Launcher(LaunchSpec(job2, CFG, 100_000, out), lambda f: cache[f])
+    launcher = Launcher(LaunchSpec(job2, asdict(CFG), 100_000, out), lambda f: cache[f])
     launcher.start()
     survivors = [w for w in launcher.spec.workers() if w != VICTIM]
     to_wall = time.time() - time.monotonic()
@@ -294,10 +298,10 @@ def _steps(out: Path, w: Worker, version: int) -> int:
 def _jobs(stages: list[StageMeasurement], M: int, repeats: int, label: str) -> tuple[JobSpec, JobSpec]:
     """The D=1 and D=2 job specs (P=2) from one set of stage measurements (hops measured here)."""
     job1 = job_spec_from_profile(
-        f"bench-d1p2-{label}", stages, measure_comm(CFG, stages, 1, M, repeats), 1, M, None
+        f"bench-d1p2-{label}", stages, measure_comm(HOP, stages, 1, M, repeats), 1, M, None
     )
     job2 = job_spec_from_profile(
-        f"bench-d2p2-{label}", stages, measure_comm(CFG, stages, 2, M, repeats), 2, M, None
+        f"bench-d2p2-{label}", stages, measure_comm(HOP, stages, 2, M, repeats), 2, M, None
     )
     return job1, job2
 
@@ -325,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     torch.set_num_threads(1)
     if args.cmd == "_profile":
-        st = profile_stages(CFG, 2, args.pipelines, args.microbatches, repeats=args.repeats)
+        st = profile_stages(gpt_training(CFG), 2, args.pipelines, args.microbatches, repeats=args.repeats)
         Path(args.out).write_text(json.dumps([asdict(x) for x in st]))
         return 0
     M = args.microbatches

@@ -30,8 +30,7 @@ def torch_rank(args: argparse.Namespace) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from torch.nn import functional
 
-    from runtime_adapter.model import SyntheticData, build_stage
-    from runtime_adapter.reference import make_optimizer
+    from runtime_adapter.model import SyntheticData, build_stage, make_optimizer
 
     torch.set_num_threads(1)
     cfg, rank, M = GPTConfig(**json.loads(args.model)), args.rank, args.microbatches

@@ -92,7 +92,9 @@ def latest_complete(directory: Path, num_stages: int) -> int | None:
 
 def load_stage(directory: Path, stage: int, iteration: int) -> dict[str, Any]:
     """The saved state of `stage` after `iteration` stepped iterations: {stage, stepped, model, optim}."""
-    state: dict[str, Any] = torch.load(stage_file(directory, stage, iteration), weights_only=True)
+    state: dict[str, Any] = torch.load(
+        stage_file(directory, stage, iteration), map_location="cpu", weights_only=True
+    )
     if state["stage"] != stage or state["stepped"] != iteration:
         raise ValueError(
             f"{stage_file(directory, stage, iteration)}: holds stage {state['stage']} at {state['stepped']}"

@@ -16,13 +16,13 @@ from planner.cli_io import finite_float
 from planner.errors import InvalidInputError
 from runtime_adapter.cli_inputs import (
     add_checkpoint_args,
+    add_model_args,
     check_min,
-    check_model_fits,
     check_worker,
     parse_fail_at,
+    parse_kwargs,
     parse_store,
     read_job,
-    read_model,
     resolve_checkpoint_every,
 )
 from runtime_adapter.launch_cli import add_launch_parser, cmd_launch
@@ -45,9 +45,12 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--token")
     p.add_argument("--store", required=True, help="host:port of the rendezvous TCPStore")
     p.add_argument("--iterations", type=int, required=True)
-    p.add_argument("--model", default="{}", help="GPTConfig fields as JSON")
+    add_model_args(p)
     p.add_argument("--out", required=True, help="directory for final parameters and accounting")
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    p.add_argument(
+        "--device", default="cpu", help="cpu, cuda (cuda:$LOCAL_RANK), cuda:N or auto (default cpu)"
+    )
     p.add_argument("--rejoin", action="store_true", help="fetch state from a peer instead of initialising")
     p.add_argument("--standby-key", help="warm standby: join once the launcher sets this store key")
     p.add_argument(
@@ -71,8 +74,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     job = read_job(args.job)
     worker = check_worker(job, (args.pipeline, args.stage))
     host, port = parse_store(args.store)
-    fail_at, cfg = parse_fail_at(args.fail_at), read_model(args.model)
-    check_model_fits(cfg, job.num_stages)
+    fail_at, model = parse_fail_at(args.fail_at), parse_kwargs(args.model)
     check_min("--iterations", args.iterations, 1)
     args.checkpoint_every = resolve_checkpoint_every(args.checkpoint_every)
     check_min("--checkpoint-every", args.checkpoint_every, 0)
@@ -84,7 +86,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         num_stages=job.num_stages,
         num_microbatches=job.num_microbatches,
         num_iterations=args.iterations,
-        cfg=cfg,
+        model=model,
+        entry=args.entry,
+        device=args.device,
+        check_data=args.check_data,
         store_host=host,
         store_port=port,
         out_dir=Path(args.out),
@@ -124,7 +129,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def add_profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """`recycle profile`: measure the stages of the reference model here and write a job spec."""
     p = sub.add_parser("profile", help="measure per-stage F/B/W/OPT times and memory; write a job spec")
-    p.add_argument("--model", default="{}", help="GPTConfig fields as JSON")
+    add_model_args(p)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
     p.add_argument("--stages", type=int, required=True, help="P, pipeline stages")
     p.add_argument("--pipelines", type=int, default=1, help="D, data-parallel pipelines")
     p.add_argument("--microbatches", type=int, default=4, help="M, micro-batches per pipeline")
@@ -142,37 +148,54 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Profile every stage, print a per-stage table (progress on stderr), write the job spec."""
-    from runtime_adapter.profile import format_table, job_spec_from_profile, measure_comm, profile_stages
+    from runtime_adapter.devices import resolve_device
+    from runtime_adapter.entry import load_entry
+    from runtime_adapter.profile import profile_stages
+    from runtime_adapter.profile_comm import format_table, job_spec_from_profile, measure_comm
+    from runtime_adapter.stage import check_training
 
-    def fail(msg: str) -> int:
-        print(f"recycle profile: {msg}", file=sys.stderr)
-        return 2
-
-    cfg = read_model(args.model)
     D, P, M = args.pipelines, args.stages, args.microbatches
-    if min(D, P, M, args.repeats, args.threads) < 1:
-        return fail("--stages, --pipelines, --microbatches, --repeats and --threads must be at least 1")
-    if cfg.num_layers < P:
-        return fail(f"--stages {P} is more than the model's {cfg.num_layers} layers (one block per stage)")
-    if args.memory_gib is not None and args.memory_gib <= 0:
-        return fail(f"--memory-gib must be positive, not {args.memory_gib}")
+    check_min("--stages, --pipelines, --microbatches, --repeats and --threads", min(D, P, M, args.repeats,
+              args.threads), 1)  # fmt: skip
+    check_min("--memory-gib", args.memory_gib, 0, strict=True)
+    training, device = load_entry(args.entry, parse_kwargs(args.model)), resolve_device(args.device)
+    shapes = check_training(training, P, D, M)
     if args.memory_gib is not None:
         capacity = args.memory_gib * 1024.0
+    elif device.type == "cuda":
+        capacity = torch_device_mib(device) / max(1, D * P)
     else:
         capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / float(1 << 20) / (D * P)
 
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr)
 
-    stages = profile_stages(cfg, P, D, M, repeats=args.repeats, threads=args.threads, progress=progress)
+    progress(f"profiling {args.entry} on {device}")
+    stages = profile_stages(training, P, D, M, repeats=args.repeats, threads=args.threads, progress=progress,
+                            device=device)  # fmt: skip
     progress("measuring the activation hop and the stage all-reduces (gloo, loopback)")
-    comm = measure_comm(cfg, stages, D, M, args.repeats)
+    hop_shape = max(shapes, key=lambda sh: _numel(sh), default=(1,))
+    comm = measure_comm(hop_shape, stages, D, M, args.repeats)
     job = job_spec_from_profile(args.name or f"gpt-d{D}p{P}m{M}", stages, comm, D, M, capacity)
     print(format_table(stages, comm))
     if args.out:
         Path(args.out).write_text(job.model_dump_json(indent=2) + "\n")
         print(f"job spec written to {args.out}")
     return 0
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for v in shape:
+        n *= v
+    return n
+
+
+def torch_device_mib(device: object) -> float:
+    """Total memory of a CUDA device in MiB."""
+    import torch
+
+    return float(torch.cuda.get_device_properties(device).total_memory) / float(1 << 20)  # type: ignore[arg-type]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,7 @@ import argparse
 import json
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from planner.cli_io import read_document
 from planner.contract import JobSpec
@@ -14,10 +14,8 @@ from planner.errors import InvalidInputError
 from runtime_adapter.assignment import Worker
 from runtime_adapter.settings import runtime_settings
 
-if TYPE_CHECKING:
-    from runtime_adapter.model import GPTConfig
-
 PHASES = ("F", "B", "W", "BW", "OPT", "REDUCED")  # REDUCED: right after the gradient all-reduce
+DEFAULT_ENTRY = "runtime_adapter.model:training"  # the reference GPT (keyword arguments: GPTConfig fields)
 
 
 def read_job(path: str) -> JobSpec:
@@ -25,17 +23,36 @@ def read_job(path: str) -> JobSpec:
     return read_document(path, JobSpec, "job spec")
 
 
-def read_model(text: str) -> GPTConfig:
-    """--model: GPTConfig fields as a JSON object."""
-    from runtime_adapter.model import GPTConfig
-
+def parse_kwargs(text: str) -> dict[str, Any]:
+    """--model: the entry point's keyword arguments as a JSON object."""
     try:
-        fields = json.loads(text)
-        if not isinstance(fields, dict):
-            raise TypeError("expected a JSON object of GPTConfig fields")
-        return GPTConfig(**fields)
-    except (TypeError, ValueError) as e:
-        raise InvalidInputError(f"--model {text!r}: {e}") from e
+        kwargs = json.loads(text)
+    except ValueError as e:
+        raise InvalidInputError(f"--model {text!r}: not JSON ({e})") from e
+    if not isinstance(kwargs, dict):
+        raise InvalidInputError(f"--model {text!r}: expected a JSON object of keyword arguments")
+    return kwargs
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--entry, --model and --check-data: what to train (the public API, runtime_adapter/training.py)."""
+    p.add_argument(
+        "--entry",
+        default=DEFAULT_ENTRY,
+        help="package.module:function returning a runtime_adapter.training.Training (default: the reference "
+        "GPT); the current directory is importable",
+    )
+    p.add_argument(
+        "--model",
+        default="{}",
+        help="the entry's keyword arguments as JSON (reference GPT: GPTConfig fields, optimizer, lr, clip, "
+        "clip_scope, warmup)",
+    )
+    p.add_argument(
+        "--check-data",
+        action="store_true",
+        help="read every micro-batch twice and stop if the data function is not deterministic",
+    )
 
 
 def check_worker(job: JobSpec, worker: Worker) -> Worker:
@@ -66,15 +83,6 @@ def parse_fail_at(text: str | None) -> tuple[int, str] | None:
         expected = f"expected ITERATION:PHASE with PHASE in {', '.join(PHASES)}"
         raise InvalidInputError(f"--fail-at {text!r}: {expected}")
     return int(it), phase
-
-
-def check_model_fits(cfg: GPTConfig, num_stages: int) -> None:
-    """The model must have at least one transformer block per stage."""
-    if cfg.num_layers < num_stages:
-        raise InvalidInputError(
-            f"--model: {cfg.num_layers} layer(s) cannot fill {num_stages} stages (at least one block per "
-            f"stage: e.g. --model '{{\"num_layers\": {num_stages}}}')"
-        )
 
 
 def check_min(flag: str, value: float | None, low: float, strict: bool = False) -> None:

@@ -3,9 +3,14 @@
 F keeps the stage input and output; B computes the input gradient only and keeps what W needs
 (torch.distributed.pipelining's stage_backward_input / stage_backward_weight); W accumulates the
 parameter gradients; OPT all-reduces the gradients with the alive peers of the stage (plus a count per
-micro-batch of the global batch, which must come back as exactly one) and steps the stage's own
-optimizer. No global barrier. The pre-step state of the last step is kept so that a failure can roll
-the stage back and replay the iteration (see worker.py).
+micro-batch of the global batch, which must come back as exactly one), clips them if the Training says
+so, sets the learning rate of the iteration and steps the stage's own optimizer. No global barrier,
+except with global-norm clipping (every stage's squared norm is all-reduced over the world group).
+Forward goes through `StageRunner.forward` (stage.py: per-micro-batch random stream, autocast, boundary
+dtype). Activations and gradients between stages travel as CPU tensors on the world group (gloo, tag
+matched: comm.py); the stage all-reduce on `groups.device` (the CUDA device under NCCL).
+The pre-step state of the last step is kept so that a failure can roll the stage back and replay the
+iteration (see worker.py).
 
 The step becomes visible to the peers with the gradient all-reduce: once any peer's all-reduce returns,
 every peer has contributed and the peers step. `before_step` runs right before it (the worker writes
@@ -26,12 +31,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from runtime_adapter.assignment import Assignment, MicroBatch, Worker
 from runtime_adapter.autograd_split import stage_backward_input, stage_backward_weight
 from runtime_adapter.comm import Groups, Interrupted
+from runtime_adapter.grad_sum import GradSum
 from runtime_adapter.lowering import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Instr, Program, lower
-from runtime_adapter.model import GPTConfig, StageModule, SyntheticData
+from runtime_adapter.stage import StageRunner
+from runtime_adapter.training import apply_lr, clip_gradients
 
 logger = logging.getLogger(__name__)
 
@@ -61,20 +69,20 @@ class Executor:
 
     def __init__(
         self,
-        module: StageModule,
-        cfg: GPTConfig,
+        module: torch.nn.Module,
+        runner: StageRunner,
         worker: Worker,
         num_pipelines: int,
         num_microbatches: int,
-        make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
         fault: FaultHook | None = None,
         before_step: Callable[[IterationRecord], None] | None = None,
     ) -> None:
-        self.module, self.cfg, self.worker = module, cfg, worker
+        self.module, self.runner, self.worker = module, runner, worker
         self.num_pipelines, self.num_microbatches = num_pipelines, num_microbatches
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(self.params)
-        self.data = SyntheticData(cfg)
+        self.optimizer = runner.training.optimizer(self.params)
+        self.base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        self.grad_sum = GradSum(self.params)
         self.fault, self.before_step = fault, before_step
         self.interrupted = threading.Event()
         self._version_lock = threading.Lock()
@@ -123,6 +131,7 @@ class Executor:
                 rec.op_ms[ins.kind] = rec.op_ms.get(ins.kind, 0.0) + 1e3 * (time.perf_counter() - t)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
+            self.grad_sum.clear()
         rec.wall_ms = 1e3 * (time.perf_counter() - t0)
         return rec
 
@@ -148,7 +157,7 @@ class Executor:
 
     def load_state_bytes(self, data: bytes, stepped: int) -> None:
         """Adopt a peer's state, which has `stepped` iterations stepped."""
-        self.load_state(torch.load(io.BytesIO(data), weights_only=True), stepped)
+        self.load_state(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True), stepped)
 
     def load_state(self, state: dict[str, Any], stepped: int) -> None:
         """Adopt {"model", "optim"} (a peer's state or a checkpoint) with `stepped` iterations stepped."""
@@ -166,22 +175,21 @@ class Executor:
         for work in sends:
             groups.waiter.wait(work, "a send")
         sends.clear()
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads] + [counts])
+        self.grad_sum.add()  # gradients not yet moved into the sums (a direct caller: the profiler)
+        flat = torch.cat([self.grad_sum.flat(groups.device), counts.to(groups.device, torch.float64)])
         if self.before_step is not None and rec is not None:
             self.before_step(rec)  # from here on the peers may step with this worker's gradients
-        groups.waiter.wait(groups.stage.allreduce([flat]), "the stage all-reduce")
+        groups.stage_waits.wait(groups.stage.allreduce([flat]), "the stage all-reduce")
         if self.fault is not None:
             self.fault(iteration, REDUCED)
         reduced_counts = flat[-counts.numel() :]
         if not bool(torch.all(reduced_counts == 1)):
             bad = [i for i, c in enumerate(reduced_counts.tolist()) if c != 1]
             raise ExactlyOnceError(f"stage {self.worker[1]} iteration {iteration}: counts {bad} are not 1")
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
-            offset += n
+        self.grad_sum.set_grads(flat)
+        self.grad_sum.clear()
+        self._clip(groups)
+        apply_lr(self.optimizer, self.base_lrs, self.runner.training.lr_schedule, iteration)
         self._snapshot = (
             iteration,
             [p.detach().clone() for p in self.params],
@@ -189,6 +197,18 @@ class Executor:
         )
         self.optimizer.step()
         self.stepped = iteration + 1
+
+    def _clip(self, groups: Groups) -> None:
+        """Clip the all-reduced gradient (training.clip_gradients; global norm: MAX over the world)."""
+
+        def exchange(norms: torch.Tensor) -> torch.Tensor:  # on the world group: gloo, CPU
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
+            groups.waiter.wait(groups.world.allreduce([norms], opts), "the gradient-norm all-reduce")
+            return norms
+
+        r = self.runner
+        clip_gradients(self.params, r.training.clip, r.stage, r.num_stages, exchange)
 
 
 class _IterationRun:
@@ -203,20 +223,22 @@ class _IterationRun:
         self.in_grads: dict[MicroBatch, torch.Tensor | None] = {}
         self.param_groups: dict[MicroBatch, list[dict[str, Any]]] = {}
         self.sends: list[Any] = []
-        self.counts = torch.zeros(ex.num_pipelines * ex.num_microbatches)
+        assert ex.groups is not None
+        self.counts = torch.zeros(ex.num_pipelines * ex.num_microbatches, device=ex.groups.device)
         self.scale = 1.0 / (ex.num_pipelines * ex.num_microbatches)
         self.recvs: dict[tuple[str, MicroBatch], tuple[Any, torch.Tensor]] = {}
         self.loss: torch.Tensor | None = None  # last stage: detached sum of the unscaled losses
         self._post_receives()
 
     def _post_receives(self) -> None:
-        groups, cfg = self.ex.groups, self.ex.cfg
+        groups, runner = self.ex.groups, self.ex.runner
         assert groups is not None and self.ex.program is not None
-        shape = (cfg.microbatch_size, cfg.seq_len, cfg.hidden)
+        dtype = runner.training.boundary_dtype
         for ins in self.ex.program.instrs:
             if ins.kind in (RECV_ACT, RECV_GRAD):
                 assert ins.mb is not None and ins.peer is not None
-                buf = torch.empty(shape, device=groups.device)
+                shape = runner.input_shape if ins.kind == RECV_ACT else runner.output_shape
+                buf = torch.empty(shape, dtype=dtype)  # the world group is gloo: CPU tensors
                 work = groups.world.recv([buf], groups.world_rank[ins.peer], ins.tag)
                 self.recvs[(ins.kind, ins.mb)] = (work, buf)
 
@@ -224,20 +246,19 @@ class _IterationRun:
         assert ins.mb is not None and self.ex.groups is not None
         work, buf = self.recvs.pop((ins.kind, ins.mb))
         self.ex.groups.waiter.wait(work, f"{ins}")
-        return buf
+        return buf.to(self.ex.runner.device)
 
     def _send(self, ins: Instr, tensor: torch.Tensor) -> None:
         groups = self.ex.groups
         assert groups is not None and ins.peer is not None
-        self.sends.append(
-            groups.world.send([tensor.detach().contiguous()], groups.world_rank[ins.peer], ins.tag)
-        )
+        wire = tensor.detach().to("cpu", self.ex.runner.training.boundary_dtype).contiguous()
+        self.sends.append(groups.world.send([wire], groups.world_rank[ins.peer], ins.tag))
 
     def step(self, ins: Instr) -> None:
         """Execute one instruction."""
         mb, kind = ins.mb, ins.kind
         if kind == "OPT":
-            if self.module.is_last:
+            if self.ex.runner.is_last:
                 self.rec.loss_sum = 0.0 if self.loss is None else float(self.loss)
             self.ex._opt(self.iteration, self.counts, self.sends, self.rec)
             return
@@ -269,10 +290,12 @@ class _IterationRun:
             raise ValueError(f"unknown instruction {ins}")
 
     def _forward(self, mb: MicroBatch) -> None:
-        tokens, targets = self.ex.data.microbatch(self.iteration, *mb)
-        inp = tokens if self.module.is_first else self.inputs[mb]
-        out = self.module(inp, targets if self.module.is_last else None)
-        if self.module.is_last:
+        runner = self.ex.runner
+        inputs, targets = runner.read(self.iteration, *mb)
+        inp = inputs if runner.is_first else self.inputs[mb]
+        assert inp is not None
+        out = runner.forward(self.module, self.iteration, mb, inp, targets)
+        if runner.is_last:
             loss = out.detach()
             self.loss = loss if self.loss is None else self.loss + loss
             self.rec.loss_n += 1
@@ -282,7 +305,7 @@ class _IterationRun:
 
     def _backward_input(self, mb: MicroBatch) -> None:
         grad = self.out_grads.get(mb)
-        if self.module.is_first:
+        if self.ex.runner.is_first:
             return  # no input gradient to compute: W runs the whole backward
         out, inp = self.outputs[mb], self.inputs.pop(mb)
         dinputs, groups = stage_backward_input(
@@ -292,7 +315,7 @@ class _IterationRun:
         self.out_grads.pop(mb, None)
 
     def _backward_weight(self, mb: MicroBatch) -> None:
-        if self.module.is_first:
+        if self.ex.runner.is_first:
             out, grad = self.outputs.pop(mb), self.out_grads.pop(mb, None)
             torch.autograd.backward([out], None if grad is None else [grad])
         else:
@@ -301,4 +324,6 @@ class _IterationRun:
         self._count(mb)
 
     def _count(self, mb: MicroBatch) -> None:
+        """Micro-batch `mb`'s backward is complete: move its gradients into the float64 sums."""
+        self.ex.grad_sum.add()
         self.counts[mb[0] * self.ex.num_microbatches + mb[1]] += 1

@@ -144,6 +144,7 @@ class Launcher:
         )
         log = (self.spec.out_dir / f"{name}.log").open("ab")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+        env["LOCAL_RANK"] = str(self.spec.workers().index(w))  # --device cuda: cuda:<LOCAL_RANK % count>
         cmd = self.spec.command(
             w, self.store.port, rejoin, standby_key, fail_at, self.publisher.worker_args(), resume
         )

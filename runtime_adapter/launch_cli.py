@@ -1,6 +1,7 @@
 """`recycle launch`: its flags, the checks made before anything starts, and what it prints.
 
-Before any process starts: the job spec, the model (one block per stage), every numeric flag, the
+Before any process starts: the job spec, the entry point and its model (every stage builds on the meta
+device, the data function is deterministic on a few micro-batches), the device, every numeric flag, the
 store port, a fresh --out, and the schedules (a precompute directory for this very job, or named
 schedule files that fit it) are checked; bad input is one line on stderr and exit 2. Then it prints
 where every output goes, the job id and page with --service, one line per iteration with the loss
@@ -19,22 +20,23 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from planner.cli_io import finite_float
 from runtime_adapter.cli_inputs import (
     add_checkpoint_args,
+    add_model_args,
     check_fresh_out,
     check_min,
-    check_model_fits,
     check_store_port,
+    parse_kwargs,
     read_job,
-    read_model,
     resolve_checkpoint_every,
 )
 from runtime_adapter.settings import runtime_settings
 
 if TYPE_CHECKING:
+    from planner.contract import JobSpec
     from runtime_adapter.launch import Launcher, LaunchSpec
     from runtime_adapter.progress import JobMonitor
     from runtime_adapter.publishers import Publisher
@@ -79,11 +81,21 @@ def add_launch_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         help="make each iteration last at least this long (default 0)",
     )
     p.add_argument("--iterations", type=int, default=10, help="iterations to train (default 10)")
-    p.add_argument("--model", default="{}", help="GPTConfig fields as JSON (at least one layer per stage)")
+    add_model_args(p)
     p.add_argument(
         "--out", required=True, help="new directory for logs, accounting, loss.csv, final parameters"
     )
-    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    p.add_argument(
+        "--backend",
+        default="gloo",
+        choices=["gloo", "nccl", "auto"],
+        help="gloo (default), nccl, or auto: nccl with one worker per CUDA device, else gloo",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default), cuda (worker i on cuda:<i %% devices>), cuda:N or auto (cuda if available)",
+    )
     p.add_argument(
         "--store-port", type=int, default=0, help="port of the rendezvous store (default 0: a free one)"
     )
@@ -107,6 +119,27 @@ def _check_flags(args: argparse.Namespace) -> None:
     check_min("--timeout", args.timeout, 0, strict=True)
     check_min("--print-every", args.print_every, 1)
     check_store_port(args.store_port)
+
+
+def _check_training(args: argparse.Namespace, job: JobSpec, model: dict[str, Any]) -> tuple[str, str]:
+    """Load the entry and check it before any process starts (it builds every stage on the meta
+    device and reads a few micro-batches twice); the workers' device spec and backend."""
+    import torch
+
+    from runtime_adapter.devices import choose_backend, resolve_device
+    from runtime_adapter.entry import load_entry
+    from runtime_adapter.stage import check_training
+
+    training = load_entry(args.entry, model)
+    check_training(training, job.num_stages, job.num_pipelines, job.num_microbatches)
+    device = resolve_device(args.device, 0)
+    workers = job.num_pipelines * job.num_stages
+    spread = device.type == "cuda" and args.device in ("cuda", "auto")  # worker i on cuda:<i % count>
+    per_device = -(-workers // torch.cuda.device_count()) if spread else workers
+    backend, why = choose_backend(args.backend, device, per_device)
+    if why:
+        print(f"backend: {backend} ({why})")
+    return ("cuda" if spread else str(device)), backend
 
 
 def _publisher(args: argparse.Namespace, spec: LaunchSpec) -> Publisher | str:
@@ -143,7 +176,7 @@ def _print_outputs(spec: LaunchSpec) -> None:
           f"iterations 0..{spec.num_iterations - 1}; outputs in {out}:")  # fmt: skip
     print(f"  worker logs     {out}/worker_<d>_<s>.log (process ids in worker_<d>_<s>.pid)")
     print(f"  accounting      {out}/acct_<d>_<s>.jsonl (one JSON record per step, rollback, checkpoint)")
-    print(f"  loss            {out}/loss.csv (iteration, loss, version)")
+    print(f"  loss            {out}/loss.csv (iteration, loss, version) and loss.png at the end")
     print(f"  schedule        {out}/schedule.json (with --schedules: the version the workers poll)")
     print(f"  checkpoints     {spec.checkpoints}: {ckpt}")
     print(f"  final params    {out}/final_<d>_<s>.pt")
@@ -193,6 +226,22 @@ def _finish(publisher: Publisher) -> None:
         logger.warning("could not close the job with its publisher: %s", e)
 
 
+def _plot(spec: LaunchSpec, monitor: JobMonitor, launcher: Launcher) -> None:
+    """<out>/loss.png: the loss per iteration with every failure, re-join and restore marked (best
+    effort: a plotting error must not change the launch's exit code)."""
+    from runtime_adapter.loss_plot import write_loss_png
+
+    if not monitor.losses:
+        return
+    losses = sorted((r.iteration, r.loss) for r in monitor.losses.values())
+    try:
+        path = write_loss_png(spec.out_dir / "loss.png", losses, launcher.history, title=spec.job.name,
+                              times=monitor.loss_times)  # fmt: skip
+        print(f"loss curve: {path}", flush=True)
+    except Exception as e:
+        logger.warning("could not draw the loss curve: %s", e)
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     """Check everything, start the job, supervise it, print the training and a summary."""
     from runtime_adapter.launch import Launcher, LaunchError, LaunchSpec, WorkerStartupError
@@ -204,13 +253,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print(f"recycle launch: {msg}", file=sys.stderr, flush=True)
         return code
 
-    job, cfg = read_job(args.job), read_model(args.model)
-    check_model_fits(cfg, job.num_stages)
+    job, model = read_job(args.job), parse_kwargs(args.model)
     _check_flags(args)
+    device, backend = _check_training(args, job, model)
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
-    spec = LaunchSpec(job, cfg, args.iterations, Path(args.out), args.backend,
-                      checkpoint_every=args.checkpoint_every, checkpoint_dir=ckpt_dir, pace_ms=args.pace_ms,
-                      store_port=args.store_port)  # fmt: skip
+    spec = LaunchSpec(job, model, args.iterations, Path(args.out), backend, entry=args.entry, device=device,
+                      check_data=args.check_data, checkpoint_every=args.checkpoint_every,
+                      checkpoint_dir=ckpt_dir, pace_ms=args.pace_ms, store_port=args.store_port)  # fmt: skip
     check_fresh_out(spec.out_dir, spec.checkpoints, spec.checkpoint_every > 0)
     if args.dry_run and args.schedules and args.plan_on_demand:  # a dry run neither plans nor writes
         print(f"schedules: {args.schedules} (planned on demand when the job runs)")
@@ -259,6 +308,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     lines = summarize(launcher.history, monitor.version_seen, stepped, spec.num_iterations, launcher.version,
                       None if last is None else (last.iteration, last.loss))  # fmt: skip
     print("\n".join(lines), flush=True)
+    _plot(spec, monitor, launcher)
     if code:
         return code
     return 0 if all(rc == 0 for w, rc in codes.items() if w not in launcher.failed) else 1

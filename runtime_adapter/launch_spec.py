@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from planner.contract import JobSpec
 from runtime_adapter.assignment import Worker
-from runtime_adapter.model import GPTConfig
+from runtime_adapter.cli_inputs import DEFAULT_ENTRY
 
 SCHEDULE_FILE = "schedule.json"
 
@@ -24,10 +25,13 @@ class LaunchSpec:
     """What to start: pure data, so a dry run can show every worker's command line."""
 
     job: JobSpec
-    cfg: GPTConfig
+    model: dict[str, Any]  # the entry point's keyword arguments (--model)
     num_iterations: int
     out_dir: Path
     backend: str = "gloo"
+    entry: str = DEFAULT_ENTRY
+    device: str = "cpu"  # each worker's --device; "cuda" picks cuda:<LOCAL_RANK % count>
+    check_data: bool = False
     fail_at: dict[Worker, tuple[int, str]] = field(default_factory=dict)
     checkpoint_every: int = 0
     checkpoint_dir: Path | None = None  # default: <out_dir>/checkpoints
@@ -67,10 +71,14 @@ class LaunchSpec:
             *source_args,
             "--store", f"127.0.0.1:{store_port}",
             "--iterations", str(self.num_iterations),
-            "--model", json.dumps(asdict(self.cfg)),
+            "--entry", self.entry,
+            "--model", json.dumps(self.model),
             "--out", str(self.out_dir),
             "--backend", self.backend,
+            "--device", self.device,
         ]  # fmt: skip
+        if self.check_data:
+            cmd.append("--check-data")
         if self.checkpoint_every > 0:
             cmd += ["--checkpoint-every", str(self.checkpoint_every)]
         cmd += ["--checkpoint-dir", str(self.checkpoints)]

@@ -1,18 +1,24 @@
 """Reference model: a small GPT-style transformer split into P stage modules, and its synthetic data.
 
-Stage 0 owns the token and position embeddings, the last stage owns the final norm, the head and the
-loss; the transformer blocks are split as evenly as possible. The data source is a pure function of
-(seed, iteration, micro-batch [d, m]), so a run with failures and a run without see the same global
-batches whichever host runs a micro-batch.
+Stage 0 owns the token and position embeddings, the last stage owns the final norm and the head (its
+output is the logits; the loss is `cross_entropy`); the transformer blocks are split as evenly as
+possible. The data source is a pure function of (seed, iteration, micro-batch [d, m]), so a run with
+failures and a run without see the same global batches whichever host runs a micro-batch.
+
+`training(**fields)` is the default entry point (runtime_adapter/entry.py): the reference GPT is one
+user of the public API (runtime_adapter/training.py) like any other model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.nn import functional
+
+from runtime_adapter.training import GradClip, Training
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,7 @@ class GPTConfig:
     num_layers: int = 4
     microbatch_size: int = 2
     seed: int = 0
+    dropout: float = 0.0  # attention and residual dropout (drawn from the per-micro-batch streams)
 
     def __post_init__(self) -> None:
         sizes = (
@@ -42,6 +49,12 @@ class GPTConfig:
             raise ValueError(f"every size must be positive: {self}")
         if self.hidden % self.num_heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of num_heads ({self.num_heads})")
+        if (
+            isinstance(self.dropout, bool)
+            or not isinstance(self.dropout, int | float)
+            or not 0 <= self.dropout < 1
+        ):
+            raise ValueError(f"dropout must be a number in [0, 1), not {self.dropout!r}")
 
 
 class Block(nn.Module):
@@ -50,23 +63,24 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.hidden)
-        self.attn = nn.MultiheadAttention(cfg.hidden, cfg.num_heads, batch_first=True)
+        self.attn = nn.MultiheadAttention(cfg.hidden, cfg.num_heads, dropout=cfg.dropout, batch_first=True)
         self.ln2 = nn.LayerNorm(cfg.hidden)
         self.mlp = nn.Sequential(
             nn.Linear(cfg.hidden, 4 * cfg.hidden), nn.GELU(), nn.Linear(4 * cfg.hidden, cfg.hidden)
         )
+        self.drop = nn.Dropout(cfg.dropout)
         mask = torch.triu(torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool), diagonal=1)
         self.register_buffer("mask", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.ln1(x)
         a, _ = self.attn(h, h, h, attn_mask=self.mask, need_weights=False)
-        x = x + a
-        return x + self.mlp(self.ln2(x))
+        x = x + self.drop(a)
+        return x + self.drop(self.mlp(self.ln2(x)))
 
 
 class StageModule(nn.Module):
-    """One pipeline stage. `forward(inp, targets)` returns the activation, or the loss on the last stage."""
+    """One pipeline stage: `forward(inp)` returns the activation, or the logits on the last stage."""
 
     def __init__(self, cfg: GPTConfig, stage: int, num_stages: int, layers: range) -> None:
         super().__init__()
@@ -80,7 +94,7 @@ class StageModule(nn.Module):
             self.ln_f = nn.LayerNorm(cfg.hidden)
             self.head = nn.Linear(cfg.hidden, cfg.vocab_size)
 
-    def forward(self, inp: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
         x = inp
         if self.is_first:
             positions = torch.arange(inp.shape[1], device=inp.device)
@@ -89,9 +103,12 @@ class StageModule(nn.Module):
             x = block(x)
         if not self.is_last:
             return x
-        assert targets is not None, "the last stage needs targets"
-        logits = self.head(self.ln_f(x))
-        return functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return self.head(self.ln_f(x))
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of (batch, seq, vocab) logits against (batch, seq) targets."""
+    return functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[range]:
@@ -134,3 +151,50 @@ class SyntheticData:
         step = torch.randint(1, 4, (cfg.microbatch_size, 1), generator=gen)
         seq = (start + step * torch.arange(cfg.seq_len + 1)) % cfg.vocab_size
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def make_optimizer(params: list[torch.nn.Parameter], lr: float = 0.05) -> torch.optim.Optimizer:
+    """The reference optimizer (SGD with momentum: its update is a smooth function of the gradient,
+    so summation-order noise stays at float rounding level)."""
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def gpt_training(
+    cfg: GPTConfig,
+    optimizer: Literal["sgd", "adamw"] = "sgd",
+    lr: float | None = None,
+    clip: float | None = None,
+    clip_scope: Literal["stage", "global"] = "stage",
+    warmup: int = 0,
+) -> Training:
+    """The reference GPT as a `Training`: SGD with momentum (lr 0.05) or AdamW (lr 1e-3), optional
+    clipping by norm and a linear warm-up of `warmup` iterations."""
+    if optimizer not in ("sgd", "adamw"):
+        raise ValueError(f"optimizer must be 'sgd' or 'adamw', not {optimizer!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be a whole number of iterations >= 0, not {warmup!r}")
+    rate = lr if lr is not None else (0.05 if optimizer == "sgd" else 1e-3)
+
+    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        if optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=rate, weight_decay=0.01)
+        return make_optimizer(params, rate)
+
+    data = SyntheticData(cfg)
+    return Training(
+        stage=lambda s, num_stages: build_stage(cfg, num_stages, s),
+        data=data.microbatch,
+        loss=cross_entropy,
+        optimizer=make,
+        lr_schedule=(lambda it: min(1.0, (it + 1) / warmup)) if warmup else None,
+        clip=GradClip(clip, clip_scope) if clip is not None else None,
+        seed=cfg.seed,
+        activation_shape=(cfg.microbatch_size, cfg.seq_len, cfg.hidden),
+    )
+
+
+def training(**kwargs: Any) -> Training:
+    """The default entry point: GPTConfig fields plus `gpt_training`'s options (optimizer, lr, clip,
+    clip_scope, warmup) as keyword arguments."""
+    options = {k: kwargs.pop(k) for k in ("optimizer", "lr", "clip", "clip_scope", "warmup") if k in kwargs}
+    return gpt_training(GPTConfig(**kwargs), **options)

@@ -50,6 +50,7 @@ class JobMonitor:
         self.stepped: dict[Worker, int] = {w: 0 for w in self.workers}
         self.version_seen: dict[int, float] = {}
         self.losses: dict[int, IterationLoss] = {}
+        self.loss_times: dict[int, float] = {}  # iteration -> monotonic time its loss completed
         self._offsets: dict[Worker, int] = {w: 0 for w in self.workers}
         # (it, version) -> last-stage worker -> (loss_sum, loss_n)
         self._groups: dict[tuple[int, int], dict[Worker, tuple[float, int]]] = {}
@@ -100,6 +101,7 @@ class JobMonitor:
                 if total_n == self.global_batch and it not in self.losses:
                     done = IterationLoss(it, sum(x for x, _ in group.values()) / total_n, version)
                     self.losses[it] = done
+                    self.loss_times[it] = now
                     self._new.append(done)
                     self._append_csv(done)
         elif event in ("rollback", "resume", "rejoin"):

@@ -1,53 +1,76 @@
-"""Single-process training of the whole reference model: the ground truth the executor must match."""
+"""Single-process training of the whole model: the ground truth the executor must match."""
 
 from __future__ import annotations
 
 import torch
 
-from runtime_adapter.model import GPTConfig, SyntheticData, build_stages
-
-
-def make_optimizer(params: list[torch.nn.Parameter], lr: float = 0.05) -> torch.optim.Optimizer:
-    """The optimizer every stage uses (SGD with momentum: its update is a smooth function of the
-    gradient, so summation-order noise stays at float rounding level)."""
-    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+from runtime_adapter.grad_sum import GradSum
+from runtime_adapter.stage import StageRunner, infer_shapes
+from runtime_adapter.training import Training, apply_lr, clip_by_norm, ordered_sum, squared_norm
 
 
 def train_reference(
-    cfg: GPTConfig,
+    training: Training,
     num_pipelines: int,
     num_stages: int,
     num_microbatches: int,
     num_iterations: int,
     losses: list[float] | None = None,
+    device: torch.device | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Train the whole model on the global batches for `num_iterations`; the stages' state dicts.
 
-    The loss of each micro-batch is scaled by 1/(D*M), as the executor does, so one step here equals
-    one iteration of the pipelined run whatever its schedule. `losses`, if given, gets each
+    Every micro-batch's forward runs through the executor's own `StageRunner.forward` (same random
+    streams, autocast and boundary casts); its loss is scaled by 1/(D*M) and its gradients summed in
+    float64 (grad_sum.py), as the executor does, so one step here equals one iteration of the
+    pipelined run whatever its schedule. Clipping and the
+    learning-rate schedule are applied as the executor applies them. `losses`, if given, gets each
     iteration's global loss (the mean of the unscaled micro-batch losses, before its step).
     """
-    stages = build_stages(cfg, num_stages)
-    optimizers = [make_optimizer(list(st.parameters())) for st in stages]
-    data = SyntheticData(cfg)
+    device = device or torch.device("cpu")
+    shapes = infer_shapes(training, num_stages)
+    runners = [StageRunner(training, s, num_stages, device, shapes) for s in range(num_stages)]
+    stages = [r.build() for r in runners]
+    params = [[p for p in st.parameters() if p.requires_grad] for st in stages]
+    optimizers = [training.optimizer(ps) for ps in params]
+    base_lrs = [[float(g["lr"]) for g in opt.param_groups] for opt in optimizers]
+    sums = [GradSum(ps) for ps in params]
     scale = 1.0 / (num_pipelines * num_microbatches)
     for it in range(num_iterations):
         total = 0.0
         for d in range(num_pipelines):
             for m in range(num_microbatches):
-                tokens, targets = data.microbatch(it, d, m)
-                x = tokens
-                for st in stages[:-1]:
-                    x = st(x)
-                loss = stages[-1](x, targets)
-                total += float(loss.detach())
-                (loss * scale).backward()
+                x: torch.Tensor | None = None
+                for r, st in zip(runners, stages, strict=True):
+                    inputs, targets = r.read(it, d, m)
+                    x = r.forward(st, it, (d, m), inputs if r.is_first else x, targets)  # type: ignore[arg-type]
+                assert x is not None
+                total += float(x.detach())
+                (x * scale).backward()
+                for gs in sums:
+                    gs.add()
         if losses is not None:
             losses.append(total * scale)
-        for opt in optimizers:
+        for gs in sums:
+            gs.set_grads(gs.flat(device))
+            gs.clear()
+        _clip(training, params)
+        for opt, lrs in zip(optimizers, base_lrs, strict=True):
+            apply_lr(opt, lrs, training.lr_schedule, it)
             opt.step()
             opt.zero_grad(set_to_none=True)
     return [st.state_dict() for st in stages]
+
+
+def _clip(training: Training, params: list[list[torch.nn.Parameter]]) -> None:
+    """The executor's clipping (training.clip_gradients) with every stage's norm at hand."""
+    clip = training.clip
+    if clip is None:
+        return
+    squared = [squared_norm(ps) for ps in params]
+    for s, ps in enumerate(params):
+        total = ordered_sum(torch.stack(squared)) if clip.scope == "global" else squared[s]
+        clip_by_norm(ps, total, clip.max_norm)
 
 
 def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -42,11 +42,12 @@ from runtime_adapter.comm import (
     broadcast_bytes,
     connect_groups,
 )
+from runtime_adapter.devices import resolve_device, wire_device
+from runtime_adapter.entry import DEFAULT_ENTRY, load_entry
 from runtime_adapter.executor import Executor
 from runtime_adapter.lowering import Instr
-from runtime_adapter.model import GPTConfig, build_stage
-from runtime_adapter.reference import make_optimizer
 from runtime_adapter.settings import runtime_settings
+from runtime_adapter.stage import StageRunner, check_training
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +68,14 @@ class WorkerOptions:
     num_stages: int
     num_microbatches: int
     num_iterations: int
-    cfg: GPTConfig
+    model: dict[str, Any]  # the entry point's keyword arguments
     store_host: str
     store_port: int
     out_dir: Path
     backend: str = "gloo"
+    entry: str = DEFAULT_ENTRY  # package.module:function returning the Training
+    device: str = "cpu"  # cpu, cuda, cuda:N (devices.resolve_device)
+    check_data: bool = False  # read every micro-batch twice and compare
     rejoin: bool = False
     fail_at: tuple[int, str] | None = None
     standby_key: str | None = None
@@ -119,14 +123,19 @@ class WorkerProcess:
     def __init__(self, opts: WorkerOptions, source: ScheduleSource) -> None:
         self.opts = opts
         self.settings = runtime_settings()  # the waits: RECYCLE_VERSION_WAIT_S, ...
-        module = build_stage(opts.cfg, opts.num_stages, opts.worker[1])
+        training = load_entry(opts.entry, opts.model)
+        device = resolve_device(opts.device)
+        self.wire = wire_device(opts.backend, device)
+        shapes = check_training(training, opts.num_stages, opts.num_pipelines, opts.num_microbatches)
+        runner = StageRunner(training, opts.worker[1], opts.num_stages, device, shapes, opts.check_data)
+        module = runner.build()
+        logger.info("stage %d of %s on %s (wire: %s)", opts.worker[1], opts.entry, device, self.wire)
         self.executor = Executor(
             module,
-            opts.cfg,
+            runner,
             opts.worker,
             opts.num_pipelines,
             opts.num_microbatches,
-            make_optimizer,
             fault_hook(opts.fail_at),
             before_step=lambda rec: self.acct.stepping(rec),
         )
@@ -143,7 +152,7 @@ class WorkerProcess:
             wait_for_workers=False,
         )
         self.fresh = opts.rejoin
-        self.acct = Accounting(acct_path(opts.out_dir, opts.worker), module.is_last)
+        self.acct = Accounting(acct_path(opts.out_dir, opts.worker), runner.is_last)
         self.reaper = GroupReaper()
         self.groups: list[Groups] = []  # built and not yet retired, oldest first
 
@@ -269,6 +278,7 @@ class WorkerProcess:
             self.settings.group_timeout,
             self.reaper,
             superseded,
+            device=self.wire,
         )
 
     def _train(self, a: Assignment) -> None:

@@ -3,6 +3,7 @@ in a real D=2, P=2 run (the launcher restarts every worker from the checkpoint).
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 
@@ -66,7 +67,9 @@ def test_whole_stage_lost_restarts_from_the_checkpoint(tmp_path: Path) -> None:
     launcher restarts all four from the checkpoint at 4, iteration 4 onwards is replayed, and the final
     parameters equal failure-free training."""
     job, n = tiny_job(2, 2), 8
-    spec = LaunchSpec(job, CFG, n, tmp_path, fail_at={(0, 1): (5, "F"), (1, 1): (5, "F")}, checkpoint_every=2)
+    spec = LaunchSpec(
+        job, asdict(CFG), n, tmp_path, fail_at={(0, 1): (5, "F"), (1, 1): (5, "F")}, checkpoint_every=2
+    )
     launcher = Launcher(spec, planner_schedules(job))  # type: ignore[arg-type]
     launcher.start()
     codes = launcher.wait(timedelta(seconds=140))

@@ -87,7 +87,7 @@ def test_worker_rejects_a_model_with_fewer_layers_than_stages_and_bad_numbers(
 ) -> None:
     base = ["--pipeline", "0", "--stage", "0", "--store", "h:1"]
     assert main(worker_args(job, tmp_path, *base, "--model", '{"num_layers": 1}')) == 2
-    assert "1 layer(s) cannot fill 2 stages" in capsys.readouterr().err
+    assert "cannot be split into 2 stages" in capsys.readouterr().err
     assert main(worker_args(job, tmp_path, *base, "--pace-ms", "-1")) == 2
     assert "--pace-ms must be at least 0" in capsys.readouterr().err
 

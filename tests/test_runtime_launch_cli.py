@@ -134,7 +134,7 @@ def test_bad_flags_exit_2_before_anything_starts(
         (["--timeout", "0"], "--timeout must be above 0"),
         (["--print-every", "0"], "--print-every must be at least 1"),
         (["--store-port", "70000"], "--store-port 70000"),
-        (["--model", '{"num_layers": 1}'], "1 layer(s) cannot fill 2 stages"),
+        (["--model", '{"num_layers": 1}'], "cannot be split into 2 stages"),
     ]
     for extra, message in cases:
         assert main(launch(inputs, out, *extra)) == 2, extra

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from planner.plan import plan
 from runtime_adapter.accounting import committed, iteration_losses
 from runtime_adapter.assignment import Worker
 from runtime_adapter.launch import Launcher, LaunchSpec, publish
-from runtime_adapter.model import GPTConfig
+from runtime_adapter.model import GPTConfig, gpt_training
 from runtime_adapter.reference import relative_error, train_reference
 from tests.jobs import tiny_job
 
@@ -65,7 +66,9 @@ def reference_losses(
     torch.set_num_threads(1)
     try:
         losses: list[float] = []
-        train_reference(CFG, num_pipelines, num_stages, num_microbatches, num_iterations, losses=losses)
+        train_reference(
+            gpt_training(CFG), num_pipelines, num_stages, num_microbatches, num_iterations, losses=losses
+        )
         return losses
     finally:
         torch.set_num_threads(threads)
@@ -97,7 +100,7 @@ def reference(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return train_reference(CFG, num_pipelines, num_stages, num_microbatches, num_iterations)
+        return train_reference(gpt_training(CFG), num_pipelines, num_stages, num_microbatches, num_iterations)
     finally:
         torch.set_num_threads(threads)
 
@@ -120,7 +123,7 @@ def assert_peers_identical(out: Path, job: JobSpec) -> None:
 def launch(
     out: Path, job: JobSpec, num_iterations: int, fail_at: dict[Worker, tuple[int, str]] | None = None
 ) -> Launcher:
-    spec = LaunchSpec(job, CFG, num_iterations, out, fail_at=fail_at or {})
+    spec = LaunchSpec(job, asdict(CFG), num_iterations, out, fail_at=fail_at or {})
     launcher = Launcher(spec, planner_schedules(job))  # type: ignore[arg-type]
     launcher.start()
     return launcher

@@ -10,14 +10,13 @@ import pytest
 from planner.contract import FailureScenario, JobSpec
 from planner.plan import plan
 from runtime_adapter.cli import main as runtime_main
-from runtime_adapter.model import GPTConfig
-from runtime_adapter.profile import (
+from runtime_adapter.model import GPTConfig, gpt_training
+from runtime_adapter.profile import StageMeasurement, profile_stages
+from runtime_adapter.profile_comm import (
     CommMeasurement,
-    StageMeasurement,
     job_spec_from_profile,
     measure_allreduce_ms,
     measure_hop_ms,
-    profile_stages,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -27,7 +26,7 @@ CFG = GPTConfig(hidden=32, num_layers=2, seq_len=16, microbatch_size=2)
 
 @pytest.fixture(scope="module")
 def measured() -> list[StageMeasurement]:
-    return profile_stages(CFG, 2, num_pipelines=2, num_microbatches=2, repeats=3, warmup=1)
+    return profile_stages(gpt_training(CFG), 2, num_pipelines=2, num_microbatches=2, repeats=3, warmup=1)
 
 
 def test_fields_positive(measured: list[StageMeasurement]) -> None:
@@ -46,20 +45,24 @@ def test_split_backward_close_to_fused() -> None:
     """B + W does the work of BW once (W reuses B's intermediates), so they are close when compute
     dominates (on a tiny model the Python graph walk of the split backward dominates instead)."""
     cfg = GPTConfig(hidden=128, num_heads=4, num_layers=2, seq_len=32, microbatch_size=2)
-    for st in profile_stages(cfg, 2, repeats=5, warmup=1):
+    for st in profile_stages(gpt_training(cfg), 2, repeats=5, warmup=1):
         ratio = (st.backward_input_ms + st.backward_weight_ms) / st.backward_fused_ms
         assert 0.3 < ratio < 4.0, f"stage {st.stage}: B+W / BW = {ratio:.2f}"
 
 
 def test_activation_memory_scales_with_microbatch_size() -> None:
-    one = profile_stages(GPTConfig(hidden=32, num_layers=2, microbatch_size=1), 2, repeats=1, warmup=0)
-    four = profile_stages(GPTConfig(hidden=32, num_layers=2, microbatch_size=4), 2, repeats=1, warmup=0)
+    one = profile_stages(
+        gpt_training(GPTConfig(hidden=32, num_layers=2, microbatch_size=1)), 2, repeats=1, warmup=0
+    )
+    four = profile_stages(
+        gpt_training(GPTConfig(hidden=32, num_layers=2, microbatch_size=4)), 2, repeats=1, warmup=0
+    )
     for a, b in zip(one, four, strict=True):
         assert 3.0 < b.activation_mib / a.activation_mib < 4.5, (a, b)
 
 
 def test_comm_measurements_positive() -> None:
-    assert measure_hop_ms(CFG, repeats=3, warmup=1) > 0
+    assert measure_hop_ms((CFG.microbatch_size, CFG.seq_len, CFG.hidden), repeats=3, warmup=1) > 0
     assert measure_allreduce_ms(1000, 2, repeats=2, warmup=1) > 0
 
 
@@ -94,9 +97,11 @@ def test_cli_writes_a_spec_the_planner_accepts(tmp_path: Path, capsys: pytest.Ca
         ["--stages", "2", "--memory-gib", "-1"],
         ["--stages", "2", "--model", '{"hiden": 3}'],
         ["--stages", "2", "--model", "not json"],
+        ["--stages", "2", "--entry", "no_such_module:training"],
+        ["--stages", "2", "--device", "tpu"],
     ],
 )
 def test_cli_bad_input_exits_2(extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert runtime_main(["profile", *extra]) == 2
     err = capsys.readouterr().err
-    assert ("recycle profile:" in err or err.startswith("error: --model")) and "Traceback" not in err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err

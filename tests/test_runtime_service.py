@@ -11,6 +11,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 
@@ -123,7 +124,7 @@ def test_heartbeat_timeout_fails_a_killed_worker(
     # socket closes, so detection takes the heartbeat timeout, not the poll wait.
     monkeypatch.setenv("RECYCLE_POLL_WAIT_S", "30")
     pub = ServicePublisher(service, TOKEN, job, max_failures=1, heartbeat_timeout_s=1.5)
-    spec = LaunchSpec(job, CFG, n, tmp_path, pace_ms=50)
+    spec = LaunchSpec(job, asdict(CFG), n, tmp_path, pace_ms=50)
     launcher = Launcher(spec, publisher=pub, report_failures=False)
     launcher.start()
     everyone = spec.workers()
@@ -151,7 +152,7 @@ def test_whole_stage_lost_under_the_service_restores_and_rejoins(service: str, t
     job, n = tiny_job(2, 2), 8
     pub = ServicePublisher(service, TOKEN, job, max_failures=1, heartbeat_enabled=False)
     fail_at = {(0, 1): (5, "F"), (1, 1): (5, "F")}
-    spec = LaunchSpec(job, CFG, n, tmp_path, fail_at=fail_at, checkpoint_every=2)
+    spec = LaunchSpec(job, asdict(CFG), n, tmp_path, fail_at=fail_at, checkpoint_every=2)
     launcher = Launcher(spec, publisher=pub)
     launcher.start()
     codes = launcher.wait(timedelta(seconds=180))
@@ -177,7 +178,7 @@ def test_service_outage_then_kill_and_rejoin(tmp_path: Path, monkeypatch: pytest
     port, data, out = free_port(), tmp_path / "data", tmp_path / "run"
     base = f"http://127.0.0.1:{port}"
     job, n, victim = tiny_job(2, 2), 50, (1, 1)
-    spec = LaunchSpec(job, CFG, n, out, pace_ms=300)  # the run outlasts the service's restart
+    spec = LaunchSpec(job, asdict(CFG), n, out, pace_ms=300)  # the run outlasts the service's restart
     everyone = spec.workers()
     pub = ServicePublisher(base, TOKEN, job, max_failures=1, heartbeat_enabled=False)
     launcher = Launcher(spec, publisher=pub)

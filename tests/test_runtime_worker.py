@@ -22,8 +22,8 @@ from runtime_adapter.assignment import Assignment, assignments_from_schedule
 from runtime_adapter.comm import GroupReaper, build_groups
 from runtime_adapter.executor import REDUCED, Executor, IterationRecord
 from runtime_adapter.lowering import Instr
-from runtime_adapter.model import GPTConfig, SyntheticData, build_stage
-from runtime_adapter.reference import make_optimizer
+from runtime_adapter.model import GPTConfig, SyntheticData, cross_entropy, gpt_training
+from runtime_adapter.stage import StageRunner
 from tests.jobs import tiny_job
 
 pytestmark = pytest.mark.timeout(120)
@@ -68,8 +68,9 @@ def test_stepping_precedes_the_allreduce_and_the_loss_is_unscaled() -> None:
         if ins is REDUCED:
             events.append("reduced")
 
-    module = build_stage(CFG, 1, 0)
-    ex = Executor(module, CFG, (0, 0), 1, 4, make_optimizer, fault, before_step=before_step)
+    runner = StageRunner(gpt_training(CFG), 0, 1, torch.device("cpu"), [])
+    module = runner.build()
+    ex = Executor(module, runner, (0, 0), 1, 4, fault, before_step=before_step)
     a = one_worker()
     groups = build_groups(dist.HashStore(), a, ex.interrupted, "gloo", timedelta(seconds=10))
     groups.stage = SpyGroup(groups.stage, events)
@@ -77,7 +78,9 @@ def test_stepping_precedes_the_allreduce_and_the_loss_is_unscaled() -> None:
     # the losses the executor must report: unscaled mean loss of each micro-batch, before the step
     data = SyntheticData(CFG)
     with torch.no_grad():
-        expected = [float(module(*data.microbatch(0, 0, m))) for m in range(4)]
+        expected = [
+            float(cross_entropy(module(x), y)) for x, y in (data.microbatch(0, 0, m) for m in range(4))
+        ]
     rec = ex.run_iteration(0)
     assert events == ["stepping", "allreduce", "reduced"]
     assert stepping == [rec] and ex.stepped == 1

@@ -1,0 +1,54 @@
+"""Order-free gradient sums: each micro-batch's parameter gradients are added into float64 buffers.
+
+A re-routed schedule sums the same micro-batch gradients as the failure-free run, but grouped and
+ordered differently (a survivor accumulates its own and a dead peer's micro-batches, then the stage
+all-reduce adds fewer partial sums). In float32 that changes the rounding, and an optimizer that
+normalizes the update (Adam's m / sqrt(v)) turns that noise into visible parameter differences. The
+float64 sum of float32 values, all-reduced in float64 and rounded to float32 once, is the same whatever
+the grouping (up to float64 rounding, far below float32's): the failure-free gradient, to the bit in
+practice. Cost: a float64 copy of the stage's parameters and a float64 all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+class GradSum:
+    """The float64 sum of the gradients of `params` over the micro-batches added so far."""
+
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        self.params = list(params)
+        self.sums: list[torch.Tensor | None] = [None] * len(self.params)
+
+    def add(self) -> None:
+        """Move the parameters' current gradients (one micro-batch's) into the sums."""
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            g = p.grad.detach().double()
+            s = self.sums[i]
+            self.sums[i] = g if s is None else s.add_(g)
+            p.grad = None
+
+    def flat(self, device: torch.device) -> torch.Tensor:
+        """All sums, flattened in parameter order (zeros where a parameter got no gradient)."""
+        parts = [
+            (s if s is not None else torch.zeros(p.shape, dtype=torch.float64, device=p.device)).reshape(-1)
+            for s, p in zip(self.sums, self.params, strict=True)
+        ]
+        return torch.cat([t.to(device) for t in parts]) if parts else torch.zeros(0, dtype=torch.float64)
+
+    def set_grads(self, flat: torch.Tensor) -> None:
+        """Set each parameter's gradient from a flat float64 vector laid out as `flat()`."""
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view(p.shape).to(p.device, p.dtype)
+            offset += n
+
+    def clear(self) -> None:
+        self.sums = [None] * len(self.params)

@@ -1,0 +1,157 @@
+"""One stage of a `Training` as the runtime runs it: device, boundary shapes, data and forward.
+
+The executor, the single-process reference (reference.py) and the profiler all run a micro-batch's
+forward through `StageRunner.forward`, so the three see the same numbers: the random stream seeded
+from (seed, iteration, pipeline, microbatch, stage), the same autocast, and the boundary cast to
+`boundary_dtype` that the wire imposes between stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from planner.errors import InvalidInputError
+from runtime_adapter.training import Training, build_stage_module, microbatch_seed
+
+Shape = tuple[int, ...]
+
+
+class NondeterministicDataError(InvalidInputError):
+    """Two reads of the same micro-batch differ: exact replay after a failure would be wrong."""
+
+
+def _on_meta(t: torch.Tensor) -> torch.Tensor:
+    return t.to("meta") if isinstance(t, torch.Tensor) else t
+
+
+def infer_shapes(training: Training, num_stages: int) -> list[Shape]:
+    """The output shape of stages 0..P-2 (what goes over the wire), from `activation_shape` or by
+    running every stage on the meta device on micro-batch (0, 0, 0) (no memory, no compute)."""
+    if num_stages == 1:
+        return []
+    if training.activation_shape is not None:
+        return [tuple(training.activation_shape)] * (num_stages - 1)
+    try:
+        x = _on_meta(training.data(0, 0, 0)[0])
+        shapes: list[Shape] = []
+        with torch.device("meta"), torch.no_grad():
+            for s in range(num_stages - 1):
+                x = build_stage_module(training, s, num_stages)(x)
+                shapes.append(tuple(x.shape))
+    except InvalidInputError:
+        raise
+    except Exception as e:
+        raise InvalidInputError(
+            f"cannot infer the activation shapes on the meta device ({type(e).__name__}: {e}); "
+            "set Training.activation_shape"
+        ) from e
+    return shapes
+
+
+def check_training(
+    training: Training, num_stages: int, num_pipelines: int, num_microbatches: int
+) -> list[Shape]:
+    """What can be checked before any process starts: every stage builds (on meta), the boundary
+    shapes, and two reads of a few micro-batches of iteration 0 agree. The boundary shapes."""
+    for s in range(num_stages):
+        try:
+            with torch.device("meta"):
+                build_stage_module(training, s, num_stages)
+        except (TypeError, ValueError) as e:
+            raise InvalidInputError(f"the model cannot be split into {num_stages} stages: {e}") from e
+    shapes = infer_shapes(training, num_stages)
+    for d, m in {(0, 0), (0, num_microbatches - 1), (num_pipelines - 1, 0)}:
+        try:
+            read_checked(training, 0, d, m)
+        except InvalidInputError:
+            raise
+        except Exception as e:
+            raise InvalidInputError(f"data(0, {d}, {m}) failed: {type(e).__name__}: {e}") from e
+    return shapes
+
+
+def read_checked(training: Training, iteration: int, d: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch [d, m] of `iteration`, read twice: NondeterministicDataError if the reads differ."""
+    first, again = training.data(iteration, d, m), training.data(iteration, d, m)
+    for what, a, b in zip(("inputs", "targets"), first, again, strict=True):
+        if not (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)):
+            raise NondeterministicDataError(
+                f"data({iteration}, {d}, {m}) returned different {what} on a second call: the data "
+                "function must be a pure function of (iteration, pipeline, microbatch)"
+            )
+    return first
+
+
+@dataclass
+class StageRunner:
+    """Stage `stage` of `num_stages` of `training` on `device`."""
+
+    training: Training
+    stage: int
+    num_stages: int
+    device: torch.device
+    shapes: list[Shape]  # infer_shapes(training, num_stages)
+    check_data: bool = False
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    @property
+    def input_shape(self) -> Shape:
+        """Shape of what this stage receives (not stage 0)."""
+        return self.shapes[self.stage - 1]
+
+    @property
+    def output_shape(self) -> Shape:
+        """Shape of what this stage sends (not the last stage)."""
+        return self.shapes[self.stage]
+
+    def build(self) -> nn.Module:
+        """This stage's module on the device (same initial weights on every peer)."""
+        return build_stage_module(self.training, self.stage, self.num_stages).to(self.device)
+
+    def read(self, iteration: int, d: int, m: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(inputs on stage 0, targets on the last stage) of micro-batch [d, m], on the device."""
+        if not (self.is_first or self.is_last):
+            return None, None
+        if self.check_data or self.training.check_data:
+            inputs, targets = read_checked(self.training, iteration, d, m)
+        else:
+            inputs, targets = self.training.data(iteration, d, m)
+        return (
+            inputs.to(self.device) if self.is_first else None,
+            targets.to(self.device) if self.is_last else None,
+        )
+
+    def forward(
+        self,
+        module: nn.Module,
+        iteration: int,
+        mb: tuple[int, int],
+        inp: torch.Tensor,
+        targets: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The stage output (cast to the boundary dtype), or on the last stage the unscaled loss; the
+        random stream of (iteration, d, m, stage) is seeded first."""
+        tr = self.training
+        torch.manual_seed(microbatch_seed(tr.seed, iteration, mb[0], mb[1], self.stage))
+        autocast = (
+            torch.autocast(self.device.type, dtype=tr.autocast)
+            if tr.autocast is not None
+            else contextlib.nullcontext()
+        )
+        with autocast:
+            out = module(inp)
+            if self.is_last:
+                assert targets is not None, "the last stage needs targets"
+                return tr.loss(out, targets).float()
+        return out.to(tr.boundary_dtype)

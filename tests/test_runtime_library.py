@@ -1,0 +1,174 @@
+"""The public API (runtime_adapter/training.py): entry points and their errors, the checks made before
+any process starts, the per-micro-batch random streams, clipping, and a real run with dropout, AdamW,
+global-norm clipping and a warm-up where a worker is killed with SIGKILL: parameters equal
+single-process training's."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from planner.errors import InvalidInputError
+from runtime_adapter.cli import main as runtime_main
+from runtime_adapter.entry import load_entry
+from runtime_adapter.launch import Launcher, LaunchSpec
+from runtime_adapter.model import GPTConfig, gpt_training
+from runtime_adapter.reference import relative_error, train_reference
+from runtime_adapter.stage import NondeterministicDataError, StageRunner, check_training, infer_shapes
+from runtime_adapter.training import GradClip, clip_gradients, microbatch_seed, split_bounds
+from tests.jobs import tiny_job
+from tests.test_runtime_process import planner_schedules
+
+pytestmark = pytest.mark.timeout(300)
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("entry", "kwargs", "says"),
+    [
+        ("no_colon", {}, "expected package.module:function"),
+        ("no_such_module_here:training", {}, "cannot import no_such_module_here"),
+        ("runtime_adapter.model:nope", {}, "has no function nope"),
+        ("tests.library_entries:not_training", {}, "returned int"),
+        ("tests.library_entries:broken", {}, "RuntimeError: the user's entry is broken"),
+        ("runtime_adapter.model:training", {"hiden": 3}, "hiden"),
+        ("runtime_adapter.model:training", {"optimizer": "lamb"}, "optimizer must be"),
+    ],
+)
+def test_entry_errors_are_one_line(entry: str, kwargs: dict, says: str) -> None:
+    with pytest.raises(InvalidInputError) as e:
+        load_entry(entry, kwargs)
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_checks_before_start() -> None:
+    with pytest.raises(InvalidInputError, match="cannot be split into 3 stages"):
+        check_training(gpt_training(GPTConfig(num_layers=2)), 3, 1, 1)
+    with pytest.raises(NondeterministicDataError, match="pure function"):
+        check_training(load_entry("tests.library_entries:nondeterministic", {}), 2, 2, 2)
+    # the shapes: given by the reference GPT, inferred on meta otherwise (the same)
+    training = gpt_training(GPTConfig(hidden=16, num_heads=2, seq_len=8, microbatch_size=3))
+    inferred = infer_shapes(training.__class__(**{**training.__dict__, "activation_shape": None}), 4)
+    assert check_training(training, 4, 2, 2) == inferred == [(3, 8, 16)] * 3
+
+
+@given(st.integers(1, 40), st.integers(1, 12))
+def test_split_bounds_fill_every_stage(num_layers: int, num_stages: int) -> None:
+    if num_layers < num_stages:
+        with pytest.raises(ValueError, match="cannot be split"):
+            split_bounds(num_layers, num_stages)
+        return
+    bounds = split_bounds(num_layers, num_stages)
+    sizes = [b - a for a, b in itertools.pairwise(bounds)]
+    assert bounds[0] == 0 and bounds[-1] == num_layers and min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+    assert split_bounds(num_layers, num_stages, bounds[1:-1]) == bounds
+    if num_stages > 1:
+        with pytest.raises(ValueError, match="increasing layer indices"):
+            split_bounds(num_layers, num_stages, [*bounds[1:-1][:-1], 0])
+
+
+def test_dropout_draws_the_same_numbers_wherever_a_microbatch_runs() -> None:
+    training = gpt_training(GPTConfig(dropout=0.5, num_layers=2))
+    shapes = infer_shapes(training, 2)
+    runners = [StageRunner(training, 1, 2, CPU, shapes) for _ in range(2)]
+    modules = [r.build() for r in runners]
+    x = torch.randn(shapes[0])
+    _, targets = runners[0].read(3, 1, 0)
+    torch.manual_seed(1)  # a different global state on each "host" before the forward
+    a = runners[0].forward(modules[0], 3, (1, 0), x, targets)
+    torch.manual_seed(2)
+    b = runners[1].forward(modules[1], 3, (1, 0), x, targets)
+    c = runners[1].forward(modules[1], 3, (1, 1), x, targets)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert microbatch_seed(0, 3, 1, 0, 1) != microbatch_seed(0, 3, 1, 0, 0)
+
+
+def test_global_clipping_equals_clip_grad_norm_over_the_whole_model() -> None:
+    torch.manual_seed(0)
+    stages = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)]
+    x = torch.randn(5, 4)
+    stages[1](stages[0](x)).pow(2).sum().backward()
+    whole = [p.grad.clone() for st in stages for p in st.parameters()]  # type: ignore[union-attr]
+    params = [list(st.parameters()) for st in stages]
+    norms = [torch.zeros(2, dtype=torch.float64) for _ in stages]
+
+    def exchange_for(s: int):  # the world all-reduce (MAX): every stage contributes at its index
+        def exchange(v: torch.Tensor) -> torch.Tensor:
+            norms[s] = v
+            return torch.stack([norms[0], norms[1]]).max(dim=0).values
+
+        return exchange
+
+    # every stage's squared norm must be known before any clips: contribute first, then clip
+    from runtime_adapter.training import squared_norm
+
+    norms[0][0], norms[1][1] = squared_norm(params[0]), squared_norm(params[1])
+    got = [clip_gradients(params[s], GradClip(0.1, "global"), s, 2, exchange_for(s)) for s in range(2)]
+    expected_params = [torch.nn.Parameter(g.clone()) for g in whole]
+    for p, g in zip(expected_params, whole, strict=True):
+        p.grad = g.clone()
+    norm = torch.nn.utils.clip_grad_norm_(expected_params, 0.1)
+    assert got[0] == got[1] == pytest.approx(float(norm), rel=1e-6)
+    flat = [p.grad for st in stages for p in st.parameters()]
+    for a, b in zip(flat, [p.grad for p in expected_params], strict=True):
+        assert torch.allclose(a, b, rtol=1e-6, atol=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--entry", "no_such_module_here:training"],
+        ["--entry", "tests.library_entries:nondeterministic"],
+        ["--device", "tpu"],
+        ["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "cuda:99"],
+        ["--model", '{"num_layers": 1}'],
+    ],
+)
+def test_launch_refuses_bad_training_before_starting(
+    flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = tmp_path / "job.json"
+    job.write_text(tiny_job(2, 2).model_dump_json())
+    out = tmp_path / "out"
+    argv = ["launch", "--job", str(job), "--schedules", str(tmp_path), "--out", str(out), *flags]
+    assert runtime_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert not out.exists()  # nothing started, nothing written
+
+
+MODEL = {"dropout": 0.1, "optimizer": "adamw", "clip": 0.05, "clip_scope": "global", "warmup": 3}
+TOL = 1e-6  # gradients are summed in float64 (grad_sum.py): in practice the parameters are bitwise equal
+
+
+@functools.lru_cache(maxsize=2)
+def reference(num_iterations: int) -> list[dict[str, torch.Tensor]]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train_reference(load_entry("runtime_adapter.model:training", MODEL), 2, 2, 4, num_iterations)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_sigkill_with_dropout_adamw_and_global_clipping_equals_single_process(tmp_path: Path) -> None:
+    job, n = tiny_job(2, 2), 6
+    spec = LaunchSpec(job, MODEL, n, tmp_path, fail_at={(1, 1): (2, "W")})
+    launcher = Launcher(spec, planner_schedules(job))  # type: ignore[arg-type]
+    launcher.start()
+    codes = launcher.wait(timedelta(seconds=240))
+    assert codes[(1, 1)] != 0 and all(rc == 0 for w, rc in codes.items() if w != (1, 1)), codes
+    ref = reference(n)
+    for d, s in [(0, 0), (1, 0), (0, 1)]:
+        got = torch.load(tmp_path / f"final_{d}_{s}.pt")
+        err = relative_error(got, ref[s])
+        print(f"worker [{d}, {s}]: relative error {err:.2e}")
+        assert err < TOL, f"worker [{d}, {s}]: relative error {err:.2e} vs single-process training"
