@@ -9,9 +9,13 @@ accounting files (it includes that iteration and the supervision tick, ~20 ms).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from runtime_adapter.assignment import Worker
+
+RECOVERED = "training again after {:.2f} s"  # the summary's recovery phrase (parsed by recovery_times)
+_RECOVERED_RE = re.compile(r"training again after ([0-9]+(?:\.[0-9]+)?) s")
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,24 @@ def recovery_s(event: LaunchEvent, version_seen: dict[int, float]) -> float | No
 
 def _took(event: LaunchEvent, version_seen: dict[int, float]) -> str:
     took = recovery_s(event, version_seen)
-    return "no iteration stepped after it" if took is None else f"training again after {took:.2f} s"
+    return "no iteration stepped after it" if took is None else RECOVERED.format(took)
+
+
+def recovery_times(text: str) -> list[float]:
+    """The recovery times (s) a launch's printed summary reports, in order (bench/gpu_check.py)."""
+    return [float(m.group(1)) for m in _RECOVERED_RE.finditer(text)]
+
+
+def event_label(event: LaunchEvent) -> str:
+    """A short name of `event`: "worker [1, 1] died", "worker [1, 1] re-joined", "restore from
+    iteration 4" (the loss plot's legend)."""
+    who = f"worker {list(event.worker)}" if event.worker is not None else "every worker"
+    if event.kind == "died":
+        return f"{who} died"
+    if event.kind == "rejoin":
+        return f"{who} re-joined"
+    start = "scratch" if event.checkpoint is None else f"iteration {event.checkpoint}"
+    return f"restore from {start}"
 
 
 def summarize(
