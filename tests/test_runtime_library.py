@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,14 +18,17 @@ from hypothesis import strategies as st
 
 from planner.errors import InvalidInputError
 from runtime_adapter.cli import main as runtime_main
+from runtime_adapter.comm import build_groups
 from runtime_adapter.entry import load_entry
+from runtime_adapter.executor import Executor
 from runtime_adapter.launch import Launcher, LaunchSpec
 from runtime_adapter.model import GPTConfig, gpt_training
 from runtime_adapter.reference import relative_error, train_reference
 from runtime_adapter.stage import NondeterministicDataError, StageRunner, check_training, infer_shapes
 from runtime_adapter.training import GradClip, clip_gradients, microbatch_seed, split_bounds
 from tests.jobs import tiny_job
-from tests.test_runtime_process import planner_schedules
+from tests.test_runtime_process import planner_schedules, records
+from tests.test_runtime_worker import one_worker
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -122,6 +126,26 @@ def test_global_clipping_equals_clip_grad_norm_over_the_whole_model() -> None:
         assert torch.allclose(a, b, rtol=1e-6, atol=0)  # type: ignore[arg-type]
 
 
+def test_rollback_restores_adamw_clipping_and_the_lr_schedule_exactly() -> None:
+    """Replaying a rolled-back iteration gives the same parameters to the bit: the snapshot covers the
+    AdamW moments and step count, and the learning rate is a function of the iteration."""
+    import torch.distributed as dist
+
+    training = load_entry("runtime_adapter.model:training", {**MODEL, "clip_scope": "stage"})
+    runner = StageRunner(training, 0, 1, CPU, [])
+    ex = Executor(runner.build(), runner, (0, 0), 1, 4)
+    a = one_worker()
+    ex.apply(a, build_groups(dist.HashStore(), a, threading.Event(), "gloo", timedelta(seconds=10)))
+    for it in range(3):
+        ex.run_iteration(it)
+    first = {k: v.clone() for k, v in ex.module.state_dict().items()}
+    ex.rollback_to(2)
+    assert ex.stepped == 2 and not all(torch.equal(v, first[k]) for k, v in ex.module.state_dict().items())
+    ex.run_iteration(2)
+    assert all(torch.equal(v, first[k]) for k, v in ex.module.state_dict().items())
+    assert ex.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)  # warm-up of 3 iterations: done
+
+
 @pytest.mark.parametrize(
     "flags",
     [
@@ -159,15 +183,26 @@ def reference(num_iterations: int) -> list[dict[str, torch.Tensor]]:
         torch.set_num_threads(threads)
 
 
-def test_sigkill_with_dropout_adamw_and_global_clipping_equals_single_process(tmp_path: Path) -> None:
-    job, n = tiny_job(2, 2), 6
-    spec = LaunchSpec(job, MODEL, n, tmp_path, fail_at={(1, 1): (2, "W")})
+def test_sigkill_and_rejoin_with_dropout_adamw_and_global_clipping_equal_single_process(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of [1, 1] before a W of iteration 2; a warm standby re-joins (AdamW moments copied
+    from its peer). Every worker, the re-joiner too, ends with single-process training's parameters."""
+    job, n, victim = tiny_job(2, 2), 6, (1, 1)
+    spec = LaunchSpec(job, MODEL, n, tmp_path, fail_at={victim: (2, "W")})
     launcher = Launcher(spec, planner_schedules(job))  # type: ignore[arg-type]
     launcher.start()
-    codes = launcher.wait(timedelta(seconds=240))
-    assert codes[(1, 1)] != 0 and all(rc == 0 for w, rc in codes.items() if w != (1, 1)), codes
+    launcher.add_standby(victim)
+
+    def on_tick(lr: Launcher) -> None:
+        if victim in lr.failed and lr.standbys.get(victim):
+            lr.activate(victim)
+
+    codes = launcher.wait(timedelta(seconds=240), on_tick)
+    assert all(rc == 0 for rc in codes.values()), codes
+    assert [r for r in records(tmp_path, victim) if r["event"] == "rejoin"], "the standby never re-joined"
     ref = reference(n)
-    for d, s in [(0, 0), (1, 0), (0, 1)]:
+    for d, s in [(0, 0), (1, 0), (0, 1), victim]:
         got = torch.load(tmp_path / f"final_{d}_{s}.pt")
         err = relative_error(got, ref[s])
         print(f"worker [{d}, {s}]: relative error {err:.2e}")
