@@ -12,8 +12,11 @@ the measured iteration time (per worker the median `wall_ms` of the failure-free
 after the first iteration, bench.runtime.steady_ms; the slowest worker) with the prediction, and
 report the recovery time the launch's summary prints.
 
-Point-to-point traffic goes over NCCL when every worker has a GPU of its own, else over gloo (NCCL
-cannot put two ranks on one device): the output says which, and why when it falls back.
+Point-to-point traffic (activations, gradients between stages) always goes over gloo on CPU tensors
+(runtime_adapter/comm.py); the stage all-reduce goes over NCCL when every worker has a GPU of its own,
+else over gloo (NCCL cannot put two ranks on one device): the output says which, and why when it
+falls back. On a GPU the workers run with deterministic algorithms (devices.activate), so the kill
+run's parameters should equal the failure-free run's; CPU runs are bitwise equal.
 
 Progress on stderr; a table (or with --json one JSON object) on stdout. Exit 0 when every step ran
 and the parameter difference is within --tolerance, else 1 with a one-line reason. Every process
@@ -115,18 +118,11 @@ def run_step(children: Children, name: str, cmd: list[str], log: Path, timeout: 
 
 
 def pick_backend(device_arg: str, requested: str, num_workers: int) -> tuple[str, str, str]:
-    """(--device for the commands, backend, why it is not the request or ""), by the launch's rule
-    (runtime_adapter.devices): "cuda"/"auto" spread the workers over the GPUs, "cuda:N" puts them all
-    on one; NCCL only with one worker per GPU, else gloo."""
-    import torch
+    """(--device for the commands, backend, why it is not the request or ""): the launch's rule."""
+    from runtime_adapter.devices import job_devices
 
-    from runtime_adapter.devices import choose_backend, resolve_device
-
-    device = resolve_device(device_arg, 0)
-    spread = device.type == "cuda" and device_arg in ("cuda", "auto")
-    per_device = -(-num_workers // torch.cuda.device_count()) if spread else num_workers
-    backend, why = choose_backend(requested, device, per_device)
-    return ("cuda" if spread else str(device)), backend, why or ""
+    device, backend, why = job_devices(device_arg, requested, num_workers)
+    return device, backend, why or ""
 
 
 def wait_loss_rows(launch: subprocess.Popen[bytes], loss_csv: Path, rows: int, timeout: float) -> None:
@@ -266,7 +262,7 @@ def table(res: Result) -> str:
     rec = "-" if res.recovery_s is None else f"training again after {res.recovery_s:.2f} s"
     lines.append(f"  recovery    {rec}")
     note = f" ({res.backend_note})" if res.backend_note else ""
-    lines.append(f"  backend     {res.backend} carried point-to-point traffic{note}")
+    lines.append(f"  backend     point-to-point: gloo (CPU tensors); stage all-reduce: {res.backend}{note}")
     lines.append(f"  outputs     {res.outputs or 'removed (--keep DIR keeps them)'}")
     lines.append(f"  took        {res.wall_s:.1f} s")
     lines.append("OK" if res.ok else f"FAILED: {res.reason}")
@@ -323,8 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     caught = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
     previous = {sig: signal.signal(sig, _on_signal) for sig in caught}
     try:
-        if min(args.pipelines, args.stages, args.microbatches, args.repeats) < 1 or args.iterations < 3:
-            raise StepFailed("--pipelines, --stages, --microbatches, --repeats >= 1 and --iterations >= 3")
+        if min(args.stages, args.microbatches, args.repeats) < 1 or args.pipelines < 2 or args.iterations < 3:
+            raise StepFailed(
+                "--pipelines >= 2 (a killed worker needs a peer), --stages, --microbatches, --repeats >= 1 "
+                "and --iterations >= 3"
+            )
         workers = args.pipelines * args.stages
         res.device, res.backend, res.backend_note = pick_backend(args.device, args.backend, workers)
         if res.backend_note:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -118,7 +119,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
             job.num_stages,
             job.num_microbatches,
         )
-    code = WorkerProcess(opts, source).run()
+    process = WorkerProcess(opts, source)  # bad input (entry, device, split, data) raises here
+    try:
+        code = process.run()
+    except InvalidInputError as e:  # found while training (--check-data): one line, exit 2
+        logging.getLogger(__name__).error("%s", e)
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
     # Groups of older versions may still have a wait blocked in C++: leave without running their
     # destructors (which would abort the process after the work is done and saved).
     logging.shutdown()
@@ -127,7 +134,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def add_profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """`recycle profile`: measure the stages of the reference model here and write a job spec."""
+    """`recycle profile`: measure the stages of a Training (--entry; default the reference GPT) here and
+    write a job spec."""
     p = sub.add_parser("profile", help="measure per-stage F/B/W/OPT times and memory; write a job spec")
     add_model_args(p)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
@@ -137,7 +145,8 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument(
         "--memory-gib",
         type=finite_float,
-        help="memory_capacity_mib per worker, in GiB (default: this machine's RAM / (D*P))",
+        help="memory_capacity_mib per worker, in GiB (default: this machine's RAM / (D*P); on GPUs a "
+        "device's memory / the workers sharing it)",
     )
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per op (median), after 2 warm-ups")
     p.add_argument("--threads", type=int, default=1, help="torch threads (workers run with 1)")
@@ -148,7 +157,9 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Profile every stage, print a per-stage table (progress on stderr), write the job spec."""
-    from runtime_adapter.devices import resolve_device
+    import torch
+
+    from runtime_adapter.devices import activate, job_devices, resolve_device
     from runtime_adapter.entry import load_entry
     from runtime_adapter.profile import profile_stages
     from runtime_adapter.profile_comm import format_table, job_spec_from_profile, measure_comm
@@ -159,11 +170,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
               args.threads), 1)  # fmt: skip
     check_min("--memory-gib", args.memory_gib, 0, strict=True)
     training, device = load_entry(args.entry, parse_kwargs(args.model)), resolve_device(args.device)
+    activate(device)
     shapes = check_training(training, P, D, M)
     if args.memory_gib is not None:
         capacity = args.memory_gib * 1024.0
-    elif device.type == "cuda":
-        capacity = torch_device_mib(device) / max(1, D * P)
+    elif device.type == "cuda":  # the launch's placement: "cuda" spreads the workers over the GPUs
+        spread = job_devices(args.device, "gloo", D * P)[0] == "cuda"
+        sharing = -(-D * P // torch.cuda.device_count()) if spread else D * P
+        capacity = torch.cuda.get_device_properties(device).total_memory / float(1 << 20) / sharing
     else:
         capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / float(1 << 20) / (D * P)
 
@@ -174,28 +188,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     stages = profile_stages(training, P, D, M, repeats=args.repeats, threads=args.threads, progress=progress,
                             device=device)  # fmt: skip
     progress("measuring the activation hop and the stage all-reduces (gloo, loopback)")
-    hop_shape = max(shapes, key=lambda sh: _numel(sh), default=(1,))
-    comm = measure_comm(hop_shape, stages, D, M, args.repeats)
+    hop_shape = max(shapes, key=math.prod, default=(1,))
+    comm = measure_comm(hop_shape, stages, D, M, args.repeats, training.boundary_dtype)
     job = job_spec_from_profile(args.name or f"gpt-d{D}p{P}m{M}", stages, comm, D, M, capacity)
     print(format_table(stages, comm))
     if args.out:
         Path(args.out).write_text(job.model_dump_json(indent=2) + "\n")
         print(f"job spec written to {args.out}")
     return 0
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for v in shape:
-        n *= v
-    return n
-
-
-def torch_device_mib(device: object) -> float:
-    """Total memory of a CUDA device in MiB."""
-    import torch
-
-    return float(torch.cuda.get_device_properties(device).total_memory) / float(1 << 20)  # type: ignore[arg-type]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -178,7 +178,7 @@ def build_groups(
     stage_waiter = None
     if backend == "nccl":
         stage_waiter = Waiter(interrupted, backend)
-        stage_waiter.errored = nccl.error_probe((stage,))
+        stage_waiter.errored = nccl.error_probe((stage,), ("stage",))
     return Groups(
         a.version, world, world_rank, stage, stage_rank, Waiter(interrupted), device, backend, stage_waiter
     )

@@ -1,9 +1,10 @@
 """Which device a worker computes on, which backend its process groups use, and where tensors travel.
 
 `--device` is "cpu", "cuda" (this process's GPU: `cuda:<LOCAL_RANK % device count>`), "cuda:N" or
-"auto" (cuda if there is one, else cpu). NCCL moves CUDA tensors and needs one rank per GPU; gloo
-moves CPU tensors (the executor copies CUDA activations to the CPU and back). Bad input raises
-`InvalidInputError` with one line naming the problem (the CLIs turn it into exit 2).
+"auto" (cuda if there is one, else cpu). The backend is the stage group's (the gradient all-reduce):
+NCCL moves CUDA tensors and needs one rank per GPU; gloo moves CPU tensors. Point-to-point traffic is
+always gloo on CPU tensors (comm.py). Bad input raises `InvalidInputError` with one line naming the
+problem (the CLIs turn it into exit 2).
 """
 
 from __future__ import annotations
@@ -76,9 +77,32 @@ def choose_backend(requested: str, device: torch.device, workers_per_device: int
     if workers_per_device > 1:
         return "gloo", (
             f"NCCL refuses two ranks on one GPU and {workers_per_device} workers share each device: "
-            "gloo instead (activations go through the CPU)"
+            "gloo instead (the gradient all-reduce goes through the CPU)"
         )
     return "nccl", None if requested == "nccl" else "auto: one worker per CUDA device"
+
+
+def job_devices(spec: str, requested: str, workers: int) -> tuple[str, str, str | None]:
+    """For a job of `workers` on this machine: (each worker's --device, the backend, why the backend is
+    not the request). "cuda"/"auto" spread the workers over every GPU (worker i on
+    cuda:<i % count>: "cuda"), "cuda:N" and the CPU put them all on one device."""
+    device = resolve_device(spec, 0)
+    spread = device.type == "cuda" and spec in ("cuda", "auto")
+    per_device = -(-workers // torch.cuda.device_count()) if spread else workers
+    backend, why = choose_backend(requested, device, per_device)
+    return ("cuda" if spread else str(device)), backend, why
+
+
+def activate(device: torch.device) -> None:
+    """Make `device` this process's device. On a GPU: `torch.cuda.set_device` (CUDA events and
+    streams default to the current device) and deterministic algorithms, so that a micro-batch gives
+    the same numbers wherever it runs (cuBLAS needs CUBLAS_WORKSPACE_CONFIG before its first handle;
+    ops without a deterministic implementation warn)."""
+    if device.type != "cuda":
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.cuda.set_device(device)
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def wire_device(backend: str, device: torch.device) -> torch.device:

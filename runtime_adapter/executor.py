@@ -13,10 +13,11 @@ The pre-step state of the last step is kept so that a failure can roll the stage
 iteration (see worker.py).
 
 The step becomes visible to the peers with the gradient all-reduce: once any peer's all-reduce returns,
-every peer has contributed and the peers step. `before_step` runs right before it (the worker writes
-its "stepping" record there), so a kill between the all-reduce and the worker's "step" record leaves a
-record of the contribution. The last stage also sums its micro-batches' (unscaled) losses: one
-`.item()` per iteration, in the record.
+every peer has contributed and the peers step (with global-norm clipping, once the norm exchange that
+follows has returned too: every alive worker has then reached its OPT). `before_step` runs right before
+the all-reduce (the worker writes its "stepping" record there), so a kill between the all-reduce and the
+worker's "step" record leaves a record of the contribution. The last stage also sums its
+micro-batches' (unscaled) losses: one `.item()` per iteration, in the record.
 """
 
 from __future__ import annotations

@@ -40,7 +40,9 @@ class GradSum:
             (s if s is not None else torch.zeros(p.shape, dtype=torch.float64, device=p.device)).reshape(-1)
             for s, p in zip(self.sums, self.params, strict=True)
         ]
-        return torch.cat([t.to(device) for t in parts]) if parts else torch.zeros(0, dtype=torch.float64)
+        if not parts:  # a stage without trainable parameters
+            return torch.zeros(0, dtype=torch.float64, device=device)
+        return torch.cat([t.to(device) for t in parts])
 
     def set_grads(self, flat: torch.Tensor) -> None:
         """Set each parameter's gradient from a flat float64 vector laid out as `flat()`."""

@@ -58,12 +58,14 @@ class LaunchError(RuntimeError):
 
 
 class WorkerStartupError(LaunchError):
-    """A worker exited with an error before its first step: a configuration error."""
+    """A worker exited with an error before its first step, or with exit 2 (bad input) at any time: a
+    configuration error."""
 
-    def __init__(self, worker: Worker, code: int, message: str, log: Path) -> None:
+    def __init__(self, worker: Worker, code: int, message: str, log: Path, at_start: bool = True) -> None:
         self.worker, self.code, self.log = worker, code, log
+        when = "during start-up" if at_start else "with bad input"
         super().__init__(
-            f"worker {list(worker)} stopped during start-up with exit code {code}: {message} (log: {log})"
+            f"worker {list(worker)} stopped {when} with exit code {code}: {message} (log: {log})"
         )
 
 
@@ -210,10 +212,13 @@ class Launcher:
                 log, offset, first = self._started.get(p.pid, (self.spec.out_dir / "?", 0, False))
                 it = last_step(self.acct_path(w), offset)
                 # Only a first start can reveal bad configuration: a re-joiner, standby or resumed
-                # worker ran the same configuration before, so its error is a failure like any other.
-                if first and it is None and p.returncode > 0 and p.returncode not in PROTOCOL_EXITS:
+                # worker ran the same configuration before, so its error is a failure like any other;
+                # but exit 2 is bad input whenever it comes (e.g. --check-data found the data function
+                # non-deterministic mid-run): re-routing would only move it to the next worker.
+                startup = first and it is None and p.returncode > 0 and p.returncode not in PROTOCOL_EXITS
+                if startup or p.returncode == 2:
                     self.terminate()
-                    raise WorkerStartupError(w, p.returncode, log_error(log), log)
+                    raise WorkerStartupError(w, p.returncode, log_error(log), log, at_start=it is None)
                 self._record("died", w, iteration=None if it is None else it + 1, code=p.returncode)
                 died.append(w)
                 restore |= p.returncode == EXIT_NEEDS_RESTORE

@@ -124,22 +124,16 @@ def _check_flags(args: argparse.Namespace) -> None:
 def _check_training(args: argparse.Namespace, job: JobSpec, model: dict[str, Any]) -> tuple[str, str]:
     """Load the entry and check it before any process starts (it builds every stage on the meta
     device and reads a few micro-batches twice); the workers' device spec and backend."""
-    import torch
-
-    from runtime_adapter.devices import choose_backend, resolve_device
+    from runtime_adapter.devices import job_devices
     from runtime_adapter.entry import load_entry
     from runtime_adapter.stage import check_training
 
     training = load_entry(args.entry, model)
     check_training(training, job.num_stages, job.num_pipelines, job.num_microbatches)
-    device = resolve_device(args.device, 0)
-    workers = job.num_pipelines * job.num_stages
-    spread = device.type == "cuda" and args.device in ("cuda", "auto")  # worker i on cuda:<i % count>
-    per_device = -(-workers // torch.cuda.device_count()) if spread else workers
-    backend, why = choose_backend(args.backend, device, per_device)
+    device, backend, why = job_devices(args.device, args.backend, job.num_pipelines * job.num_stages)
     if why:
         print(f"backend: {backend} ({why})")
-    return ("cuda" if spread else str(device)), backend
+    return device, backend
 
 
 def _publisher(args: argparse.Namespace, spec: LaunchSpec) -> Publisher | str:

@@ -11,9 +11,9 @@ What is different from gloo (comm.py keeps the calls the same):
   as torchft's `ProcessGroupWrapper.abort` does (torchft/process_group.py).
 * Communicators are created non-blocking (`config.blocking = 0`, as torchft's `ProcessGroupNCCL`)
   and eagerly, on the connect thread of `comm.connect_groups` (which a new version can abandon),
-  not lazily in the first send/recv of the training thread. With eager init NCCL runs send/recv on
-  the group's one communicator: point-to-point ops are serialized with every other op of the group
-  in issue order (torch warns "unbatched P2P ops are treated as independent collective ops").
+  not lazily in the first operation of the training thread. Only the stage group (the gradient
+  all-reduce, state broadcast) is NCCL: point-to-point stays on the gloo world group (comm.py),
+  because NCCL runs send/recv in issue order and matches them without tags.
 * Process environment (read by ProcessGroupNCCL's constructor or once per process, so it is set
   before the first NCCL group; a value the user set is kept, with a warning when it can kill a
   survivor):
@@ -96,12 +96,12 @@ def make_nccl_group(store: dist.Store, rank: int, size: int, timeout: timedelta,
     return pg
 
 
-def error_probe(pgs: Iterable[Any]) -> Callable[[], str | None]:
+def error_probe(pgs: Iterable[Any], names: Iterable[str] = ("world", "stage")) -> Callable[[], str | None]:
     """A check of `pgs`' error state (`get_error()`, set by the watchdog on a timeout or NCCL error):
     "world: TIMEOUT" or None. A work of an aborted communicator looks completed (its kernel exited),
     so a completed work is trusted only while its groups are fine. Weak references: the probe lives in
     the waiter and must not keep retired groups alive."""
-    refs = [(name, weakref.ref(pg)) for name, pg in zip(("world", "stage"), pgs, strict=False)]
+    refs = [(name, weakref.ref(pg)) for name, pg in zip(names, pgs, strict=False)]
 
     def probe() -> str | None:
         for name, ref in refs:

@@ -9,16 +9,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from planner.contract import JobSpec
-from runtime_adapter.profile import StageMeasurement
-
-GLOO_TIMEOUT = timedelta(seconds=60)
+from runtime_adapter.profile import GLOO_TIMEOUT, StageMeasurement
 
 
 @dataclass(frozen=True)
@@ -50,12 +47,14 @@ def _run_ranks(size: int, body: Callable[[Any, int], float]) -> list[float]:
     return results
 
 
-def measure_hop_ms(shape: tuple[int, ...], repeats: int = 20, warmup: int = 3) -> float:
-    """One activation of `shape` (float32) sent between two gloo ranks on loopback: median over
-    `repeats` round trips, halved."""
+def measure_hop_ms(
+    shape: tuple[int, ...], repeats: int = 20, warmup: int = 3, dtype: torch.dtype = torch.float32
+) -> float:
+    """One activation of `shape` and `dtype` (the boundary dtype) sent between two gloo ranks on
+    loopback, as the world group sends it: median over `repeats` round trips, halved."""
 
     def body(pg: Any, rank: int) -> float:
-        buf, trips = torch.randn(shape), []
+        buf, trips = torch.randn(shape).to(dtype), []
         for _ in range(warmup + repeats):
             t = time.perf_counter()
             if rank == 0:
@@ -71,10 +70,11 @@ def measure_hop_ms(shape: tuple[int, ...], repeats: int = 20, warmup: int = 3) -
 
 
 def measure_allreduce_ms(num_elements: int, num_peers: int, repeats: int = 10, warmup: int = 2) -> float:
-    """All-reduce of `num_elements` float32 among `num_peers` gloo ranks on loopback (median, ms)."""
+    """All-reduce of `num_elements` float64 (OPT's gradient sums: grad_sum.py) among `num_peers` gloo
+    ranks on loopback (median, ms)."""
 
     def body(pg: Any, rank: int) -> float:
-        flat, times = torch.randn(num_elements), []
+        flat, times = torch.randn(num_elements, dtype=torch.float64), []
         for _ in range(warmup + repeats):
             t = time.perf_counter()
             pg.allreduce([flat]).wait()
@@ -90,10 +90,11 @@ def measure_comm(
     num_pipelines: int,
     num_microbatches: int,
     repeats: int,
+    dtype: torch.dtype = torch.float32,
 ) -> CommMeasurement:
     """The hop time of an activation of `shape` (the largest boundary) and each stage's all-reduce
     (its gradients plus the D*M counts OPT adds)."""
-    hop = measure_hop_ms(shape, repeats=max(repeats, 10))
+    hop = measure_hop_ms(shape, repeats=max(repeats, 10), dtype=dtype)
     counts = num_pipelines * num_microbatches
     allreduce = [measure_allreduce_ms(st.num_params + counts, num_pipelines, repeats) for st in stages]
     return CommMeasurement(hop, allreduce)

@@ -60,9 +60,18 @@ def check_training(
     for s in range(num_stages):
         try:
             with torch.device("meta"):
-                build_stage_module(training, s, num_stages)
-        except (TypeError, ValueError) as e:
-            raise InvalidInputError(f"the model cannot be split into {num_stages} stages: {e}") from e
+                module = build_stage_module(training, s, num_stages)
+        except Exception as e:  # the user's builder: IndexError, AssertionError, a meta-device failure...
+            raise InvalidInputError(
+                f"the model cannot be split into {num_stages} stages (stage {s} does not build on the meta "
+                f"device): {type(e).__name__}: {e}"
+            ) from e
+        if running_stats(module):
+            raise InvalidInputError(
+                f"stage {s} has {running_stats(module)}, whose running statistics change in forward: a "
+                "re-routed or replayed micro-batch would update them twice (use track_running_stats=False, "
+                "or a LayerNorm)"
+            )
     shapes = infer_shapes(training, num_stages)
     for d, m in {(0, 0), (0, num_microbatches - 1), (num_pipelines - 1, 0)}:
         try:
@@ -72,6 +81,14 @@ def check_training(
         except Exception as e:
             raise InvalidInputError(f"data(0, {d}, {m}) failed: {type(e).__name__}: {e}") from e
     return shapes
+
+
+def running_stats(module: nn.Module) -> str | None:
+    """The name of a submodule whose forward updates buffers (batch norm with running statistics)."""
+    for name, m in module.named_modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
+            return f"{type(m).__name__} {name or '(the stage)'}"
+    return None
 
 
 def read_checked(training: Training, iteration: int, d: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,9 +22,10 @@ class Timer:
             t = time.perf_counter()
             out = fn()
             return 1e3 * (time.perf_counter() - t), out
+        stream = torch.cuda.current_stream(self.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(stream)
         out = fn()
-        end.record()
+        end.record(stream)
         end.synchronize()
         return float(start.elapsed_time(end)), out

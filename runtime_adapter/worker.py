@@ -42,7 +42,7 @@ from runtime_adapter.comm import (
     broadcast_bytes,
     connect_groups,
 )
-from runtime_adapter.devices import resolve_device, wire_device
+from runtime_adapter.devices import activate, resolve_device, wire_device
 from runtime_adapter.entry import DEFAULT_ENTRY, load_entry
 from runtime_adapter.executor import Executor
 from runtime_adapter.lowering import Instr
@@ -89,7 +89,8 @@ def fault_hook(fail_at: tuple[int, str] | None) -> Any:
     """A hook that kills this process (SIGKILL, no clean-up) before the first `phase` instruction of
     its `it`-th iteration, counted from the first iteration this process runs (a re-joiner's start);
     phase is F, B, W, BW, OPT (right before the gradient all-reduce) or REDUCED (right after it: the
-    peers step, this worker dies before its `step` record)."""
+    peers step, this worker dies before its `step` record; with global-norm clipping the peers then
+    wait for its norm and nobody steps)."""
     if fail_at is None:
         return None
     it, phase = fail_at
@@ -125,6 +126,7 @@ class WorkerProcess:
         self.settings = runtime_settings()  # the waits: RECYCLE_VERSION_WAIT_S, ...
         training = load_entry(opts.entry, opts.model)
         device = resolve_device(opts.device)
+        activate(device)
         self.wire = wire_device(opts.backend, device)
         shapes = check_training(training, opts.num_stages, opts.num_pipelines, opts.num_microbatches)
         runner = StageRunner(training, opts.worker[1], opts.num_stages, device, shapes, opts.check_data)

@@ -1,5 +1,5 @@
-"""Entry points for tests/test_runtime_library.py: a wrong return type and a data function that is
-not a pure function of (iteration, pipeline, microbatch)."""
+"""Entry points for tests/test_runtime_library.py: a wrong return type, a data function that is not a
+pure function of (iteration, pipeline, microbatch), a failing entry, a stage with batch norm."""
 
 from __future__ import annotations
 
@@ -31,3 +31,28 @@ def nondeterministic(**kwargs: Any) -> Training:
 def broken(**kwargs: Any) -> Training:
     """An entry that fails inside the user's code."""
     raise RuntimeError("the user's entry is broken")
+
+
+def batch_norm(**kwargs: Any) -> Training:
+    """The reference GPT with a BatchNorm (running statistics) on its last stage."""
+    base = gpt(**kwargs)
+
+    def stage(s: int, num_stages: int) -> torch.nn.Module:
+        module = base.stage(s, num_stages)
+        return torch.nn.Sequential(torch.nn.BatchNorm1d(16), module) if s == num_stages - 1 else module
+
+    return dataclasses.replace(base, stage=stage)
+
+
+def drifting(**kwargs: Any) -> Training:
+    """The reference GPT whose data function is pure in iteration 0 only (the pre-start check passes;
+    `--check-data` must catch it while training)."""
+    base = gpt(**kwargs)
+    calls = [0]
+
+    def data(iteration: int, pipeline: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, targets = base.data(iteration, pipeline, microbatch)
+        calls[0] += 1
+        return (tokens + calls[0]) % 64 if iteration > 0 else tokens, targets
+
+    return dataclasses.replace(base, data=data)

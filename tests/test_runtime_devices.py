@@ -443,8 +443,9 @@ def test_nccl_group_of_one_rank_on_cuda0() -> None:
     reaper, stop = GroupReaper(), threading.Event()
     a = Assignment(1, (0, 0), 1, 1, 1, frozenset(), (), stage_alive=((0, 0),))
     groups = reaper.track(build_groups(dist.HashStore(), a, stop, "nccl", TIMEOUT, device=device))
-    assert groups.device == device and groups.backend == "nccl" and groups.waiter.polls
-    assert groups.waiter.errored() is None  # get_error() of both groups: SUCCESS
+    # the stage group is NCCL (polled waits), the world group gloo (point-to-point by tag)
+    assert groups.device == device and groups.backend == "nccl" and groups.stage_waits.polls
+    assert not groups.waiter.polls and groups.stage_waits.errored() is None  # get_error(): SUCCESS
     assert allreduce_min(groups, [3, -2]) == [3, -2]
     assert allreduce_min(groups, [7], on_stage=True) == [7]
     assert broadcast_bytes(groups, b"abc", 0) == b"abc"
@@ -454,9 +455,10 @@ def test_nccl_group_of_one_rank_on_cuda0() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_nccl_pending_recv_is_interrupted_and_aborted() -> None:
-    """Rank 0 waits for a tensor rank 1 never sends: the waiter gives up on interruption, the reaper
-    aborts the stuck communicator, and the process lives on after the group timeout."""
+def test_nccl_pending_allreduce_is_interrupted_and_aborted() -> None:
+    """Rank 0 all-reduces on the NCCL stage group, rank 1 never joins: the waiter gives up on
+    interruption, the reaper aborts the stuck communicator, and the process lives on after the group
+    timeout."""
     store, reaper = dist.HashStore(), GroupReaper()
     stops = [threading.Event(), threading.Event()]
     timeout = timedelta(seconds=5)
@@ -467,11 +469,11 @@ def test_nccl_pending_recv_is_interrupted_and_aborted() -> None:
         )
 
     built = on_both(build)
-    buf = torch.empty(4, device="cuda:0")
-    work = built[0].world.recv([buf], 1, 0)
+    buf = torch.ones(4, device="cuda:0")
+    work = built[0].stage.allreduce([buf])
     later(0.2, stops[0].set)
     with pytest.raises(Interrupted):
-        built[0].waiter.wait(work, "recv that never comes")
+        built[0].stage_waits.wait(work, "an all-reduce rank 1 never joins")
     for g in built:
         reaper.retire(g)
     assert reaper.drain(60) and reaper.live() == 0

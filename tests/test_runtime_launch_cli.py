@@ -216,3 +216,15 @@ def test_a_dry_run_with_plan_on_demand_neither_plans_nor_writes(
     assert main([*argv, "--dry-run"]) == 0
     assert "[1, 1]: " in capsys.readouterr().out  # every worker's command line
     assert not plans.exists()
+
+
+def test_check_data_stops_the_launch_when_the_data_function_drifts(
+    inputs: tuple[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--check-data reads every micro-batch twice: a data function that is pure only in iteration 0
+    passes the check before start, then stops the job in iteration 1 with its error (exit 2), instead
+    of being re-routed from worker to worker."""
+    extra = ["--entry", "tests.library_entries:drifting", "--check-data", "--iterations", "4"]
+    assert main(launch(inputs, tmp_path / "run", *extra)) == 2
+    err = capsys.readouterr().err
+    assert "stopped with bad input with exit code 2" in err and "pure function" in err, err

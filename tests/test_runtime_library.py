@@ -131,7 +131,7 @@ def test_rollback_restores_adamw_clipping_and_the_lr_schedule_exactly() -> None:
     AdamW moments and step count, and the learning rate is a function of the iteration."""
     import torch.distributed as dist
 
-    training = load_entry("runtime_adapter.model:training", {**MODEL, "clip_scope": "stage"})
+    training = load_entry("runtime_adapter.model:training", {**MODEL, "clip_scope": "stage", "warmup": 5})
     runner = StageRunner(training, 0, 1, CPU, [])
     ex = Executor(runner.build(), runner, (0, 0), 1, 4)
     a = one_worker()
@@ -143,21 +143,25 @@ def test_rollback_restores_adamw_clipping_and_the_lr_schedule_exactly() -> None:
     assert ex.stepped == 2 and not all(torch.equal(v, first[k]) for k, v in ex.module.state_dict().items())
     ex.run_iteration(2)
     assert all(torch.equal(v, first[k]) for k, v in ex.module.state_dict().items())
-    assert ex.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)  # warm-up of 3 iterations: done
+    assert ex.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 3 / 5)  # iteration 2 of a 5 warm-up
 
 
 @pytest.mark.parametrize(
-    "flags",
+    ("flags", "says"),
     [
-        ["--entry", "no_such_module_here:training"],
-        ["--entry", "tests.library_entries:nondeterministic"],
-        ["--device", "tpu"],
-        ["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "cuda:99"],
-        ["--model", '{"num_layers": 1}'],
+        (["--entry", "no_such_module_here:training"], "cannot import"),
+        (["--entry", "tests.library_entries:nondeterministic"], "pure function"),
+        (["--entry", "tests.library_entries:batch_norm"], "running statistics"),
+        (["--device", "tpu"], "unknown device"),
+        (
+            ["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "cuda:99"],
+            "--device cuda",
+        ),
+        (["--model", '{"num_layers": 1}'], "cannot be split into 2 stages"),
     ],
 )
 def test_launch_refuses_bad_training_before_starting(
-    flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    flags: list[str], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     job = tmp_path / "job.json"
     job.write_text(tiny_job(2, 2).model_dump_json())
@@ -165,7 +169,7 @@ def test_launch_refuses_bad_training_before_starting(
     argv = ["launch", "--job", str(job), "--schedules", str(tmp_path), "--out", str(out), *flags]
     assert runtime_main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert err.startswith("error: ") and err.count("\n") == 1 and says in err, err
     assert not out.exists()  # nothing started, nothing written
 
 
