@@ -13,9 +13,10 @@ import os
 import sys
 from pathlib import Path
 
-from planner.cli_io import finite_float
+from planner.cli_io import check_output, finite_float, make_parent
 from planner.errors import InvalidInputError
 from runtime_adapter.cli_inputs import (
+    DEFAULT_ENTRY,
     add_checkpoint_args,
     add_model_args,
     check_min,
@@ -137,7 +138,7 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     """`recycle profile`: measure the stages of a Training (--entry; default the reference GPT) here and
     write a job spec."""
     p = sub.add_parser("profile", help="measure per-stage F/B/W/OPT times and memory; write a job spec")
-    add_model_args(p)
+    add_model_args(p, check_data=False)  # its checks read a few micro-batches twice anyway
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
     p.add_argument("--stages", type=int, required=True, help="P, pipeline stages")
     p.add_argument("--pipelines", type=int, default=1, help="D, data-parallel pipelines")
@@ -151,7 +152,9 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per op (median), after 2 warm-ups")
     p.add_argument("--threads", type=int, default=1, help="torch threads (workers run with 1)")
     p.add_argument("-o", "--out", help="write the job spec here (default: stdout only shows the table)")
-    p.add_argument("--name", help="job name (default: gpt-d<D>p<P>m<M>)")
+    p.add_argument(
+        "--name", help="job name (default: gpt-d<D>p<P>m<M>; with --entry pkg.mod:fn, mod-d<D>...)"
+    )
     p.set_defaults(func=cmd_profile)
 
 
@@ -169,6 +172,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     check_min("--stages, --pipelines, --microbatches, --repeats and --threads", min(D, P, M, args.repeats,
               args.threads), 1)  # fmt: skip
     check_min("--memory-gib", args.memory_gib, 0, strict=True)
+    check_output(args.out, "-o")
     training, device = load_entry(args.entry, parse_kwargs(args.model)), resolve_device(args.device)
     activate(device)
     shapes = check_training(training, P, D, M)
@@ -190,10 +194,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
     progress("measuring the activation hop and the stage all-reduces (gloo, loopback)")
     hop_shape = max(shapes, key=math.prod, default=(1,))
     comm = measure_comm(hop_shape, stages, D, M, args.repeats, training.boundary_dtype)
-    job = job_spec_from_profile(args.name or f"gpt-d{D}p{P}m{M}", stages, comm, D, M, capacity)
+    model_name = "gpt" if args.entry == DEFAULT_ENTRY else args.entry.partition(":")[0].rsplit(".", 1)[-1]
+    name = args.name or f"{model_name}-d{D}p{P}m{M}"
+    job = job_spec_from_profile(name, stages, comm, D, M, capacity)
     print(format_table(stages, comm))
     if args.out:
-        Path(args.out).write_text(job.model_dump_json(indent=2) + "\n")
+        make_parent(args.out, "-o").write_text(job.model_dump_json(indent=2) + "\n")
         print(f"job spec written to {args.out}")
     return 0
 

@@ -34,8 +34,9 @@ def parse_kwargs(text: str) -> dict[str, Any]:
     return kwargs
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--entry, --model and --check-data: what to train (the public API, runtime_adapter/training.py)."""
+def add_model_args(p: argparse.ArgumentParser, check_data: bool = True) -> None:
+    """--entry, --model and (for the commands that train) --check-data: what to train (the public API,
+    runtime_adapter/training.py)."""
     p.add_argument(
         "--entry",
         default=DEFAULT_ENTRY,
@@ -48,6 +49,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="the entry's keyword arguments as JSON (reference GPT: GPTConfig fields, optimizer, lr, clip, "
         "clip_scope, warmup)",
     )
+    if not check_data:
+        return
     p.add_argument(
         "--check-data",
         action="store_true",

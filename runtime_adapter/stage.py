@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from planner.errors import InvalidInputError
-from runtime_adapter.training import Training, build_stage_module, microbatch_seed
+from runtime_adapter.training import StageTypeError, Training, build_stage_module, microbatch_seed
 
 Shape = tuple[int, ...]
 
@@ -55,12 +55,22 @@ def infer_shapes(training: Training, num_stages: int) -> list[Shape]:
 def check_training(
     training: Training, num_stages: int, num_pipelines: int, num_microbatches: int
 ) -> list[Shape]:
-    """What can be checked before any process starts: every stage builds (on meta), the boundary
-    shapes, and two reads of a few micro-batches of iteration 0 agree. The boundary shapes."""
+    """What can be checked before any process starts, each with its own one-line error: the data
+    function (two reads of a few micro-batches of iteration 0 agree), every stage builds on the meta
+    device and returns an nn.Module without running statistics, and the boundary shapes (returned)."""
+    for d, m in sorted({(0, 0), (0, num_microbatches - 1), (num_pipelines - 1, 0)}):
+        try:
+            read_checked(training, 0, d, m)
+        except InvalidInputError:
+            raise
+        except Exception as e:
+            raise InvalidInputError(f"data(0, {d}, {m}) failed: {type(e).__name__}: {e}") from e
     for s in range(num_stages):
         try:
             with torch.device("meta"):
                 module = build_stage_module(training, s, num_stages)
+        except StageTypeError as e:
+            raise InvalidInputError(str(e)) from e
         except Exception as e:  # the user's builder: IndexError, AssertionError, a meta-device failure...
             raise InvalidInputError(
                 f"the model cannot be split into {num_stages} stages (stage {s} does not build on the meta "
@@ -72,15 +82,7 @@ def check_training(
                 "re-routed or replayed micro-batch would update them twice (use track_running_stats=False, "
                 "or a LayerNorm)"
             )
-    shapes = infer_shapes(training, num_stages)
-    for d, m in {(0, 0), (0, num_microbatches - 1), (num_pipelines - 1, 0)}:
-        try:
-            read_checked(training, 0, d, m)
-        except InvalidInputError:
-            raise
-        except Exception as e:
-            raise InvalidInputError(f"data(0, {d}, {m}) failed: {type(e).__name__}: {e}") from e
-    return shapes
+    return infer_shapes(training, num_stages)
 
 
 def running_stats(module: nn.Module) -> str | None:

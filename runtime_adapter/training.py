@@ -40,6 +40,10 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 LrSchedule = Callable[[int], float]
 
 
+class StageTypeError(TypeError):
+    """A stage builder returned something that is not an nn.Module."""
+
+
 @dataclass(frozen=True)
 class GradClip:
     """Clip the gradient by its norm before each step.
@@ -97,7 +101,9 @@ def build_stage_module(training: Training, stage: int, num_stages: int) -> nn.Mo
     torch.manual_seed(training.seed)
     module = training.stage(stage, num_stages)
     if not isinstance(module, nn.Module):
-        raise TypeError(f"stage({stage}, {num_stages}) returned {type(module).__name__}, not an nn.Module")
+        raise StageTypeError(
+            f"stage({stage}, {num_stages}) returned {type(module).__name__}, not an nn.Module"
+        )
     return module
 
 
