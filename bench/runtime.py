@@ -94,11 +94,18 @@ class AliveSpec(LaunchSpec):
         return [w for w in super().workers() if w not in self.absent]
 
 
-def run_ours(job: JobSpec, schedule: Schedule, iterations: int, warmup: int, failed: set[Worker]) -> dict:
+def run_ours(
+    job: JobSpec,
+    schedule: Schedule,
+    iterations: int,
+    warmup: int,
+    failed: set[Worker],
+    options: dict[str, Any] | None = None,
+) -> dict:
+    """One run of our executor on the bench model (`options`: more entry kwargs, e.g. exact_sums)."""
     out = Path(tempfile.mkdtemp(prefix="bench-ours-"))
-    launcher = Launcher(
-        AliveSpec(job, asdict(CFG), iterations, out, absent=frozenset(failed)), lambda _f: schedule
-    )
+    model = {**asdict(CFG), **(options or {})}
+    launcher = Launcher(AliveSpec(job, model, iterations, out, absent=frozenset(failed)), lambda _f: schedule)
     launcher.start()
     codes = launcher.wait(timedelta(seconds=600))
     alive = launcher.spec.workers()

@@ -83,7 +83,7 @@ class Executor:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.optimizer = runner.training.optimizer(self.params)
         self.base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
-        self.grad_sum = GradSum(self.params)
+        self.grad_sum = GradSum(self.params, runner.training.exact_sums)
         self.fault, self.before_step = fault, before_step
         self.interrupted = threading.Event()
         self._version_lock = threading.Lock()
@@ -177,7 +177,7 @@ class Executor:
             groups.waiter.wait(work, "a send")
         sends.clear()
         self.grad_sum.add()  # gradients not yet moved into the sums (a direct caller: the profiler)
-        flat = torch.cat([self.grad_sum.flat(groups.device), counts.to(groups.device, torch.float64)])
+        flat = torch.cat([self.grad_sum.flat(groups.device), counts.to(groups.device, self.grad_sum.dtype)])
         if self.before_step is not None and rec is not None:
             self.before_step(rec)  # from here on the peers may step with this worker's gradients
         groups.stage_waits.wait(groups.stage.allreduce([flat]), "the stage all-reduce")

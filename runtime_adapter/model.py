@@ -166,9 +166,11 @@ def gpt_training(
     clip: float | None = None,
     clip_scope: Literal["stage", "global"] = "stage",
     warmup: int = 0,
+    exact_sums: bool = True,
 ) -> Training:
     """The reference GPT as a `Training`: SGD with momentum (lr 0.05) or AdamW (lr 1e-3), optional
-    clipping by norm and a linear warm-up of `warmup` iterations."""
+    clipping by norm, a linear warm-up of `warmup` iterations, float64 gradient sums unless
+    `exact_sums` is False."""
     if optimizer not in ("sgd", "adamw"):
         raise ValueError(f"optimizer must be 'sgd' or 'adamw', not {optimizer!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
@@ -190,11 +192,13 @@ def gpt_training(
         clip=GradClip(clip, clip_scope) if clip is not None else None,
         seed=cfg.seed,
         activation_shape=(cfg.microbatch_size, cfg.seq_len, cfg.hidden),
+        exact_sums=bool(exact_sums),
     )
 
 
 def training(**kwargs: Any) -> Training:
     """The default entry point: GPTConfig fields plus `gpt_training`'s options (optimizer, lr, clip,
-    clip_scope, warmup) as keyword arguments."""
-    options = {k: kwargs.pop(k) for k in ("optimizer", "lr", "clip", "clip_scope", "warmup") if k in kwargs}
+    clip_scope, warmup, exact_sums) as keyword arguments."""
+    names = ("optimizer", "lr", "clip", "clip_scope", "warmup", "exact_sums")
+    options = {k: kwargs.pop(k) for k in names if k in kwargs}
     return gpt_training(GPTConfig(**kwargs), **options)

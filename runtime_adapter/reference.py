@@ -34,7 +34,7 @@ def train_reference(
     params = [[p for p in st.parameters() if p.requires_grad] for st in stages]
     optimizers = [training.optimizer(ps) for ps in params]
     base_lrs = [[float(g["lr"]) for g in opt.param_groups] for opt in optimizers]
-    sums = [GradSum(ps) for ps in params]
+    sums = [GradSum(ps, training.exact_sums) for ps in params]
     scale = 1.0 / (num_pipelines * num_microbatches)
     for it in range(num_iterations):
         total = 0.0

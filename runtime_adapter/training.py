@@ -81,6 +81,8 @@ class Training:
     boundary_dtype:   dtype of the activations and gradients sent between stages.
     activation_shape: shape of every stage's output (None: inferred on the meta device).
     check_data:       read every micro-batch twice and fail if the two reads differ.
+    exact_sums:       sum the micro-batches' gradients in float64 (grad_sum.py), so a re-routed run's
+                      update is the failure-free one to the bit (Adam needs it); False: float32, faster.
     """
 
     stage: StageBuilder
@@ -94,6 +96,7 @@ class Training:
     boundary_dtype: torch.dtype = torch.float32
     activation_shape: tuple[int, ...] | None = None
     check_data: bool = False
+    exact_sums: bool = True
 
 
 def build_stage_module(training: Training, stage: int, num_stages: int) -> nn.Module:

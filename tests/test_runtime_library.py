@@ -211,3 +211,22 @@ def test_sigkill_and_rejoin_with_dropout_adamw_and_global_clipping_equal_single_
         err = relative_error(got, ref[s])
         print(f"worker [{d}, {s}]: relative error {err:.2e}")
         assert err < TOL, f"worker [{d}, {s}]: relative error {err:.2e} vs single-process training"
+
+
+def test_float32_sums_stay_within_float32_noise_of_single_process(tmp_path: Path) -> None:
+    """exact_sums=False (autograd's float32 accumulation, float32 all-reduce): SGD's parameters agree
+    with single-process training to float32 rounding, not to the bit; the float32 path really ran."""
+    job, n, model = tiny_job(2, 2), 3, {"exact_sums": False}
+    launcher = Launcher(LaunchSpec(job, model, n, tmp_path), planner_schedules(job))  # type: ignore[arg-type]
+    launcher.start()
+    assert all(rc == 0 for rc in launcher.wait(timedelta(seconds=240)).values())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = train_reference(load_entry("runtime_adapter.model:training", model), 2, 2, 4, n)
+    finally:
+        torch.set_num_threads(threads)
+    errors = [
+        relative_error(torch.load(tmp_path / f"final_{d}_{s}.pt"), ref[s]) for d in (0, 1) for s in (0, 1)
+    ]
+    assert max(errors) < 1e-5, errors
