@@ -144,8 +144,8 @@ class StageRunner:
         return self.shapes[self.stage]
 
     def build(self) -> nn.Module:
-        """This stage's module on the device (same initial weights on every peer)."""
-        return build_stage_module(self.training, self.stage, self.num_stages).to(self.device)
+        """This stage's module on the device, in training mode (same initial weights on every peer)."""
+        return build_stage_module(self.training, self.stage, self.num_stages).to(self.device).train()
 
     def read(self, iteration: int, d: int, m: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(inputs on stage 0, targets on the last stage) of micro-batch [d, m], on the device."""
