@@ -33,6 +33,8 @@ async def precompute(service: JobService, rt: JobRuntime) -> None:
     service.store.apply(rec.id, progress)
     limit = service.settings.cap_time_limit(None, service.settings.precompute_time_limit_s).total_seconds()
     for key, sc in todo:
+        if rec.state == "finished":
+            return  # nobody will ask for another plan of this job
         t0 = time.perf_counter()
         try:
             out = await service.solver.submit_background(1, rec.spec_json, sc.model_dump_json(), limit, True)
@@ -53,26 +55,55 @@ def _key(rt: JobRuntime, scenario: object) -> str:
     return normalize(rt.job, scenario).key  # type: ignore[arg-type]
 
 
-def silent_workers(rt: JobRuntime, now: float, default_timeout_s: float) -> list[tuple[int, int]]:
-    """Alive workers that polled at least once, are not polling now, and are silent past the timeout."""
-    if not rt.record.heartbeat_enabled or rt.record.state != "running":
-        return []
+MIN_CHECK_S = 0.01  # the heartbeat loop never wakes more often than this
+CHECK_SLACK_S = 0.005  # wake this long after a deadline, so that the silence is past the timeout
+
+
+def scan_heartbeats(
+    rt: JobRuntime, now: float, default_timeout_s: float
+) -> tuple[list[tuple[int, int]], float | None]:
+    """(silent workers, the earliest time another tracked worker's silence reaches the timeout).
+
+    Liveness comes only from requests arriving: `last_seen` is the arrival of a worker's last
+    heartbeat poll, and a poll still parked on an open socket does not count (a silently partitioned
+    worker's socket stays open). Tracked: alive (not failed), not done workers that polled at least
+    once, while the job runs with heartbeats on."""
+    if not rt.record.heartbeat_enabled or rt.record.state != "running" or not rt.last_seen:
+        return [], None
     timeout = rt.record.heartbeat_timeout_s or default_timeout_s
     failed = {(int(d), int(s)) for d, s in rt.scenario.failed}
-    return sorted(
-        w
-        for w, seen in rt.last_seen.items()
-        if w not in failed and rt.polling.get(w, 0) == 0 and now - seen > timeout
-    )
+    silent: list[tuple[int, int]] = []
+    oldest: float | None = None
+    for w, seen in rt.last_seen.items():
+        if w in failed or w in rt.done:
+            continue
+        if now - seen > timeout:
+            silent.append(w)
+        elif oldest is None or seen < oldest:
+            oldest = seen
+    return sorted(silent), None if oldest is None else oldest + timeout
+
+
+def silent_workers(rt: JobRuntime, now: float, default_timeout_s: float) -> list[tuple[int, int]]:
+    """Alive, not done workers that polled at least once and sent no request for longer than the
+    job's heartbeat timeout (a parked poll is no sign of life)."""
+    return scan_heartbeats(rt, now, default_timeout_s)[0]
 
 
 async def heartbeat_loop(service: JobService) -> None:
-    """Every heartbeat_check_s, declare silent workers failed through the ordinary event path."""
+    """Declare silent workers failed through the ordinary event path.
+
+    Checks every heartbeat_check_s, and sooner when a tracked worker's silence reaches its job's
+    timeout before then: a worker is declared failed right after `timeout` s without a request."""
+    delay = service.settings.heartbeat_check_s
     while True:
-        await asyncio.sleep(service.settings.heartbeat_check_s)
+        await asyncio.sleep(delay)
         now = time.monotonic()
+        delay = service.settings.heartbeat_check_s
         for rt in list(service.jobs.values()):
-            silent = silent_workers(rt, now, service.settings.heartbeat_timeout_s)
+            silent, deadline = scan_heartbeats(rt, now, service.settings.heartbeat_timeout_s)
+            if deadline is not None:
+                delay = min(delay, deadline - now + CHECK_SLACK_S)
             if not silent:
                 continue
             for w in silent:
@@ -89,3 +120,4 @@ async def heartbeat_loop(service: JobService) -> None:
                 await service.apply_event(rt.record.id, event)
             except Exception:
                 log.exception("job %s: heartbeat failure event failed", rt.record.id)
+        delay = max(MIN_CHECK_S, delay - (time.monotonic() - now))

@@ -2,8 +2,9 @@
 
 Domain code (planner/, api/jobs.py) raises its own exception types; install_error_handlers()
 registers the mapping: invalid input 422, unknown job 404, unrecoverable failure set 409 (naming
-the stage and saying to restore from a checkpoint), conflicting event_id 409, an Idempotency-Key
-reused for another body 422, planner bug 500, solver overload 503.
+the stage and saying to restore from a checkpoint), conflicting event_id 409, an event for a
+finished job 409, `done` from a worker the job has as failed 409, an Idempotency-Key reused for
+another body 422, planner bug 500, solver overload 503.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ class JobNotFoundError(ServiceError):
 
 class EventConflictError(ServiceError):
     """An event_id was reused with a different body."""
+
+
+class JobFinishedError(ServiceError):
+    """An event for a job whose every alive worker reported `done` (nothing left to change)."""
+
+
+class WorkerFailedError(ServiceError):
+    """A `done` from a worker the job has as failed: its work does not count."""
 
 
 class IdempotencyConflictError(ServiceError):
@@ -64,6 +73,8 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(InvalidInputError, _simple(422, "invalid"))
     app.add_exception_handler(JobNotFoundError, _simple(404, "not_found"))
     app.add_exception_handler(EventConflictError, _simple(409, "event_conflict"))
+    app.add_exception_handler(JobFinishedError, _simple(409, "job_finished"))
+    app.add_exception_handler(WorkerFailedError, _simple(409, "worker_failed"))
     app.add_exception_handler(IdempotencyConflictError, _simple(422, "idempotency_key_reused"))
     app.add_exception_handler(SolverBusyError, _simple(503, "solver_busy"))
     app.add_exception_handler(ScheduleRuleError, _simple(500, "planner_bug"))

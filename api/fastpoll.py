@@ -22,7 +22,7 @@ from fastapi import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from api.deps import authenticate
-from api.routes.schedule import etag_version, long_poll
+from api.routes.schedule import WAIT_HEADER, etag_version, long_poll
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -36,6 +36,7 @@ _WORKER = re.compile(r"(\d{1,6}),(\d{1,6})")
 _INT = re.compile(r"\d{1,18}")
 _FLOAT = re.compile(r"\d{1,9}(\.\d{1,9})?")
 _QUERY_KEYS = {"worker", "after_version", "wait"}
+_WAIT_HEADER = WAIT_HEADER.lower().encode()
 
 
 def _headers(scope: Scope) -> dict[bytes, bytes] | None:
@@ -102,8 +103,8 @@ async def answer_poll(app: FastAPI, scope: Scope, receive: Receive, send: Send) 
     after = max(int(params.get("after_version", "0")), etag_version(None if inm is None else inm.decode()))
     wait = float(params.get("wait", "0"))
     beat = principal.token_job == job_id
-    body, etag = await long_poll(service, rt, w, after, wait, receive, heartbeat=beat)
-    raw: list[tuple[bytes, bytes]] = [(b"etag", etag.encode())]
+    body, etag, most = await long_poll(service, rt, w, after, wait, receive, heartbeat=beat)
+    raw: list[tuple[bytes, bytes]] = [(b"etag", etag.encode()), (_WAIT_HEADER, most.encode())]
     if body is not None:
         raw += [(b"content-length", b"%d" % len(body)), (b"content-type", b"application/json")]
     status = 304 if body is None else 200

@@ -5,6 +5,9 @@ that job's asyncio lock and is written to the store in one transaction before it
 concurrent events serialize into consecutive versions and a restart never shows an older version.
 Schedules come from the precomputed plan of the scenario's key when there is one, otherwise from a
 greedy solve in the `events` pool, followed by a CP-SAT refinement in the background.
+
+A job is `running`, `needs_restore` (a whole stage lost) or `finished`: every alive worker posted a
+`done` event (it completed its iterations and stops polling). A finished job takes no more events.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 
 import pydantic_core
 
-from api.errors import EventConflictError, JobNotFoundError
+from api.errors import EventConflictError, JobFinishedError, JobNotFoundError, WorkerFailedError
 from api.idempotency import new_record
 from api.metrics import Metrics
 from api.models import EventIn, JobCreate, JobCreated
@@ -36,6 +39,11 @@ from planner.normalize import normalize
 log = logging.getLogger(__name__)
 
 Worker = tuple[int, int]
+
+# A heartbeat poll (the job's worker token, `worker=d,s`) waits at most this fraction of the job's
+# heartbeat timeout, so a healthy worker's next poll arrives well within the timeout: liveness comes
+# only from requests arriving, never from a poll left parked on an open socket.
+POLL_WAIT_FRACTION = 1 / 3
 
 
 def hash_token(token: str) -> str:
@@ -57,6 +65,12 @@ def event_result(
     return result
 
 
+def all_done(job: JobSpec, failed: set[Worker], done: set[Worker]) -> bool:
+    """True when every alive worker of `job` (not in `failed`) is in `done`, and some worker is alive."""
+    alive = job.num_pipelines * job.num_stages - len(failed)
+    return alive > 0 and len(done - failed) == alive
+
+
 @dataclass
 class JobRuntime:
     """In-memory state of one job; the store is the source of truth, this is its published view."""
@@ -68,8 +82,8 @@ class JobRuntime:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     view: VersionView | None = None
     scenario_seq: int = 0
-    last_seen: dict[Worker, float] = field(default_factory=dict)
-    polling: dict[Worker, int] = field(default_factory=dict)
+    last_seen: dict[Worker, float] = field(default_factory=dict)  # arrival of each worker's last poll
+    done: set[Worker] = field(default_factory=set)  # alive workers that reported `done`
 
     @property
     def version(self) -> int:
@@ -92,6 +106,7 @@ class JobService:
                 record=rec,
                 job=JobSpec.model_validate_json(rec.spec_json),
                 scenario=FailureScenario.model_validate_json(rec.scenario_json),
+                done={(int(d), int(s)) for d, s in rec.done_workers},
             )
             latest = self.store.latest_version(rec.id)
             if latest is not None:
@@ -113,6 +128,18 @@ class JobService:
         if rt is None:
             raise JobNotFoundError(job_id)
         return rt
+
+    def heartbeat_timeout(self, rt: JobRuntime) -> float:
+        """The job's heartbeat timeout in seconds (its own, else the service's default)."""
+        return rt.record.heartbeat_timeout_s or self.settings.heartbeat_timeout_s
+
+    def poll_wait_cap(self, rt: JobRuntime) -> float:
+        """The longest wait a heartbeat poll of this job is granted: RECYCLE_MAX_WAIT_S, and a third of
+        the heartbeat timeout while heartbeats are on (a healthy worker re-polls well within it)."""
+        cap = self.settings.max_wait_s
+        if rt.record.heartbeat_enabled:
+            cap = min(cap, self.heartbeat_timeout(rt) * POLL_WAIT_FRACTION)
+        return cap
 
     def job_id_for_token(self, token: str) -> str | None:
         """The job whose worker token this is, if any (from memory: every job of this process is loaded)."""
@@ -159,7 +186,11 @@ class JobService:
                 await self._install(rt, rt.scenario, event=None)
 
     def set_switches(self, rt: JobRuntime, enabled: bool | None, timeout_s: float | None) -> None:
-        """Change the job's heartbeat switches (persisted)."""
+        """Change the job's heartbeat switches (persisted).
+
+        Tracking restarts under the new switches: every tracked worker counts as seen now, and the
+        parked polls wake up to re-check their wait against the new cap (a shorter timeout ends them
+        at once, and the workers' next polls arrive within the new cap)."""
         update: dict[str, object] = {}
         if enabled is not None:
             update["heartbeat_enabled"] = enabled
@@ -168,9 +199,23 @@ class JobService:
         self.store.apply(rt.record.id, update)
         for k, v in update.items():
             setattr(rt.record, k, v)
+        if update:
+            now = time.monotonic()
+            for w in rt.last_seen:
+                rt.last_seen[w] = now
+            self._wake(rt)
+
+    @staticmethod
+    def _wake(rt: JobRuntime) -> None:
+        """Wake every long-poll of the job (each re-checks its version and its wait)."""
+        rt.changed.set()
+        rt.changed = asyncio.Event()
 
     async def apply_event(self, job_id: str, event: EventIn) -> tuple[dict[str, object], list[int]]:
-        """Apply `event` once; a replay returns the first answer. Returns (result, unrecoverable stages)."""
+        """Apply `event` once; a replay returns the first answer. Returns (result, unrecoverable stages).
+
+        A finished job takes no event (JobFinishedError) except a replay, or a `done` of workers that
+        are done already (answered as a no-op, so a worker that retries gets the same answer)."""
         rt = self.get(job_id)
         body = event.model_dump_json()
         async with rt.lock:
@@ -183,6 +228,14 @@ class JobService:
                 return result, list(result.get("unrecoverable_stages", []))
             scenario = apply_change(rt.scenario, event, rt.job)
             rec = EventRecord(job_id, event.event_id, time.time_ns(), body, 200, "", time.time())
+            targets = {(int(d), int(s)) for d, s in event.workers}
+            if rt.record.state == "finished" and not (event.kind == "done" and targets <= rt.done):
+                raise JobFinishedError(
+                    f"job {job_id} is finished (every alive worker reported done): it takes no more events"
+                )
+            if event.kind == "done":
+                self._done(rt, targets, rec)
+                return json.loads(rec.result_json), []
             if scenario == rt.scenario:
                 result = self._result(rt, event.event_id, rt.version, changed=False)
                 rec.status_code = 409 if rt.record.unrecoverable_stages else 200
@@ -201,6 +254,32 @@ class JobService:
                 return json.loads(rec.result_json), exc.stages
             await self._install(rt, scenario, event=rec)
             return json.loads(rec.result_json), []
+
+    def _done(self, rt: JobRuntime, targets: set[Worker], rec: EventRecord) -> None:
+        """Record `targets` as done (lock held): no longer tracked by heartbeats; when every alive
+        worker is done, the job turns `finished` in a new version (same schedule) that pollers see."""
+        failed = {(int(d), int(s)) for d, s in rt.scenario.failed}
+        if targets & failed:
+            bad = [list(w) for w in sorted(targets & failed)]
+            raise WorkerFailedError(
+                f"workers {bad} are failed in version {rt.version}: their work does not count"
+            )
+        done = rt.done | targets
+        if rt.record.state == "running" and all_done(rt.job, failed, done):
+            assert rt.view is not None
+            prev = rt.view.schedule
+            prev_json = pydantic_core.to_json(prev).decode()
+            itime = prev["iteration_time_ms"]
+            self._commit_version(
+                rt, rt.scenario, [], prev_json, rt.view.source, itime, rec, prev, done=done, changed=False
+            )
+        else:
+            rec.result_json = json.dumps(self._result(rt, rec.event_id, rt.version, changed=False))
+            done_json = [list(w) for w in sorted(done)]
+            self.store.apply(rt.record.id, {"done_workers": done_json}, event=rec)
+            rt.done, rt.record.done_workers = done, done_json
+        for w in targets:
+            rt.last_seen.pop(w, None)
 
     def _result(self, rt: JobRuntime, event_id: str, version: int, changed: bool) -> dict[str, object]:
         source = None if rt.view is None else rt.view.source
@@ -248,13 +327,24 @@ class JobService:
         itime: float,
         event: EventRecord | None,
         schedule: dict[str, Any] | None = None,
+        done: set[Worker] | None = None,
+        changed: bool = True,
     ) -> None:
         """Write the next version, the job's new scenario/state and the event that caused it in one
         transaction; only then update the in-memory job and wake its long-polls.
 
-        `schedule` is `schedule_json` already parsed, when the caller has it (saves a parse)."""
+        `schedule` is `schedule_json` already parsed, when the caller has it (saves a parse). `done`
+        is the new set of done workers (default: unchanged); a failed worker is never done. The state
+        is needs_restore with lost stages, finished when every alive worker is done, else running.
+        `changed` is the answer's field (False for a `done` event: the failure set stays)."""
         rec = rt.record
-        state = "needs_restore" if lost_stages else "running"
+        failed = {(int(d), int(s)) for d, s in scenario.failed}
+        done = {w for w in (rt.done if done is None else done) if w not in failed}
+        if lost_stages:
+            state = "needs_restore"
+        else:
+            state = "finished" if all_done(rt.job, failed, done) else "running"
+        done_json = [list(w) for w in sorted(done)]
         scenario_json = scenario.model_dump_json()
         cause = None if event is None else event.event_id
         ver = VersionRecord(
@@ -262,11 +352,19 @@ class JobService:
         )
         if event is not None:
             result = event_result(rec.id, event.event_id, ver.version, state, source, scenario, lost_stages)
-            event.result_json = json.dumps({**result, "changed": True})
-        update = {"state": state, "unrecoverable_stages": lost_stages, "scenario_json": scenario_json}
+            event.result_json = json.dumps({**result, "changed": changed})
+        update = {
+            "state": state,
+            "unrecoverable_stages": lost_stages,
+            "scenario_json": scenario_json,
+            "done_workers": done_json,
+        }
         self.store.apply(rec.id, update, version=ver, event=event)
         if scenario != rt.scenario:
             rt.scenario_seq += 1
+            # a failed worker is not tracked, and a re-joiner is tracked again from its first poll
+            for w in failed ^ {(int(d), int(s)) for d, s in rt.scenario.failed}:
+                rt.last_seen.pop(w, None)
         rt.scenario, rec.scenario_json, rec.state, rec.unrecoverable_stages = (
             scenario,
             scenario_json,
@@ -274,11 +372,11 @@ class JobService:
             lost_stages,
         )
         rec.version = ver.version
+        rt.done, rec.done_workers = done, done_json
         doc = json.loads(schedule_json) if schedule is None else schedule
         rt.view = VersionView(rec.id, ver.version, state, source, doc)
         self.metrics.versions.inc()
-        rt.changed.set()
-        rt.changed = asyncio.Event()
+        self._wake(rt)
 
     def _view(self, rt: JobRuntime, ver: VersionRecord) -> VersionView:
         schedule = json.loads(ver.schedule_json)
@@ -301,7 +399,7 @@ class JobService:
         self.store.put_plan(PlanRecord(out.key, out.canonical_json, "refined", out.iteration_time_ms))
         async with rt.lock:
             current = rt.view
-            if rt.scenario_seq != seq or current is None:
+            if rt.scenario_seq != seq or current is None or rt.record.state == "finished":
                 return
             if out.iteration_time_ms < current.schedule["iteration_time_ms"] - 1e-9:
                 self._commit_version(

@@ -56,7 +56,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         for rt in runtimes:
             if rt.view is None:
                 await service.ensure_version(rt)
-            if rt.record.precompute_total == 0 or rt.record.precompute_done < rt.record.precompute_total:
+            rec = rt.record
+            unplanned = rec.precompute_total == 0 or rec.precompute_done < rec.precompute_total
+            if unplanned and rec.state != "finished":
                 tasks.add(asyncio.create_task(precompute(service, rt), name=f"precompute-{rt.record.id}"))
         tasks.add(asyncio.create_task(heartbeat_loop(service)))
         gc.collect()

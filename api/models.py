@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.contract import FailureScenario, JobSpec, Worker
 
+JobState = Literal["running", "needs_restore", "finished"]
+
 
 class JobCreate(BaseModel):
     """POST /v1/jobs body."""
@@ -50,7 +52,9 @@ class JobStatus(BaseModel):
 
     id: str
     name: str
-    state: Literal["running", "needs_restore"]
+    state: JobState = Field(
+        description="running; needs_restore (a whole stage lost); finished (every alive worker is done)."
+    )
     failed: list[Worker]
     slow: list[dict[str, Any]]
     version: int
@@ -62,6 +66,14 @@ class JobStatus(BaseModel):
     heartbeat_timeout_s: float
     precompute: Precompute
     created_at: float
+    done: list[Worker] = Field(
+        default_factory=list, description="Alive workers that reported `done` (completed their iterations)."
+    )
+    poll_wait_max_s: float | None = Field(
+        default=None,
+        description="Longest wait a worker's heartbeat poll is granted now (RECYCLE_MAX_WAIT_S, and "
+        "heartbeat_timeout_s / 3 while heartbeats are on); also the Recycle-Poll-Wait-Max header of a poll.",
+    )
 
 
 class JobSummary(BaseModel):
@@ -70,7 +82,7 @@ class JobSummary(BaseModel):
     id: str
     name: str
     created_at: float = Field(description="Registration time, seconds since the epoch.")
-    state: Literal["running", "needs_restore"]
+    state: JobState
     version: int
     num_pipelines: int = Field(description="D")
     num_stages: int = Field(description="P")
@@ -92,7 +104,11 @@ class EventIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     event_id: str = Field(min_length=1, max_length=200, description="Client-chosen id; replays are no-ops.")
-    kind: Literal["fail", "rejoin", "slow"] = Field(description="fail, rejoin, or slow (with factor).")
+    kind: Literal["fail", "rejoin", "slow", "done"] = Field(
+        description="fail, rejoin, slow (with factor), or done: these workers completed their iterations "
+        "and stop polling (the job's worker token may post it; the job is finished once every alive "
+        "worker is done)."
+    )
     workers: list[Worker] = Field(min_length=1, max_length=4096, description="Workers [d, s] concerned.")
     factor: float | None = Field(
         default=None, gt=0, le=1000, description="For slow: the new factor; 1.0 clears slowness."
@@ -114,10 +130,12 @@ class EventResult(BaseModel):
     event_id: str
     job_id: str
     version: int
-    state: str
+    state: str = Field(description="The job's state after the event: running, needs_restore or finished.")
     source: str | None
     failed: list[Worker]
-    changed: bool = Field(description="False when the event did not change the failure set.")
+    changed: bool = Field(
+        description="False when the event did not change the failure set (always for `done`)."
+    )
     replayed: bool = Field(default=False, description="True when this event_id was already applied.")
 
 

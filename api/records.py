@@ -24,6 +24,7 @@ class JobRecord:
     unrecoverable_stages: list[int] = field(default_factory=list)
     precompute_total: int = 0
     precompute_done: int = 0
+    done_workers: list[list[int]] = field(default_factory=list)  # alive workers that reported `done`
 
 
 @dataclass

@@ -42,7 +42,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     created_at REAL NOT NULL, state TEXT NOT NULL, max_failures INTEGER NOT NULL,
     heartbeat_enabled INTEGER NOT NULL, heartbeat_timeout_s REAL, scenario_json TEXT NOT NULL,
     version INTEGER NOT NULL, unrecoverable_stages TEXT NOT NULL,
-    precompute_total INTEGER NOT NULL, precompute_done INTEGER NOT NULL);
+    precompute_total INTEGER NOT NULL, precompute_done INTEGER NOT NULL,
+    done_workers TEXT NOT NULL DEFAULT '[]');
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_token ON jobs(worker_token_hash);
 CREATE TABLE IF NOT EXISTS versions (
     job_id TEXT NOT NULL, version INTEGER NOT NULL, scenario_json TEXT NOT NULL, schedule_json TEXT NOT NULL,
@@ -61,19 +62,25 @@ CREATE TABLE IF NOT EXISTS idempotency (
 
 
 _JOB_COLS = [f for f in JobRecord.__dataclass_fields__]
+_JSON_COLS = ("unrecoverable_stages", "done_workers")
+
+# Columns added after the first schema: (name, definition) for ALTER TABLE on an older store file.
+_ADDED_JOB_COLUMNS = (("done_workers", "TEXT NOT NULL DEFAULT '[]'"),)
 
 
 def _job_from_row(row: sqlite3.Row) -> JobRecord:
     d = dict(row)
     d["heartbeat_enabled"] = bool(d["heartbeat_enabled"])
-    d["unrecoverable_stages"] = json.loads(d["unrecoverable_stages"])
+    for col in _JSON_COLS:
+        d[col] = json.loads(d[col])
     return JobRecord(**d)
 
 
 def _job_values(update: dict[str, Any]) -> dict[str, Any]:
     out = dict(update)
-    if "unrecoverable_stages" in out:
-        out["unrecoverable_stages"] = json.dumps(out["unrecoverable_stages"])
+    for col in _JSON_COLS:
+        if col in out:
+            out[col] = json.dumps(out[col])
     if "heartbeat_enabled" in out:
         out["heartbeat_enabled"] = int(out["heartbeat_enabled"])
     unknown = set(out) - set(_JOB_COLS)
@@ -104,6 +111,14 @@ class SQLiteStore:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(_SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Add the job columns a store file written by an older version lacks."""
+        have = {str(r[1]) for r in self._db.execute("PRAGMA table_info(jobs)").fetchall()}
+        for name, definition in _ADDED_JOB_COLUMNS:
+            if name not in have:
+                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {definition}")
 
     def _one(self, sql: str, args: tuple[Any, ...]) -> sqlite3.Row | None:
         with self._lock:

@@ -4,15 +4,22 @@ Two sources behind one small interface: the service (GET /v1/jobs/{id}/schedule?
 after_version, wait, Bearer token, ETag / If-None-Match) and a schedule file holding the same envelope
 ({"version": N, "schedule": {...}}). While the source is unreachable the client backs off (exponential,
 full jitter: backoff.py) and the worker keeps running the last schedule it has.
+
+The service grants a worker's poll at most a third of the job's heartbeat timeout (it says how long
+in the Recycle-Poll-Wait-Max header) and counts a worker alive only from its polls arriving: the
+client asks for no longer a wait than that. A worker that completed its iterations calls `done()`:
+polling stops and the service is told (a `done` event), so the worker's silence is not a failure.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
@@ -27,6 +34,8 @@ from runtime_adapter.settings import runtime_settings
 logger = logging.getLogger(__name__)
 
 BASE_BACKOFF_S = 0.05  # the first retry waits up to this long; the ceiling doubles to MAX_BACKOFF
+WAIT_HEADER = "recycle-poll-wait-max"  # the longest wait the service grants this worker's poll, seconds
+DONE_DEADLINE_S = 10.0  # how long done() keeps retrying an unreachable service
 
 
 class SourceUnavailable(Exception):
@@ -74,6 +83,10 @@ class FileScheduleSource:
                 return None
             time.sleep(self.poll_s)
 
+    def done(self) -> bool:
+        """Nothing to tell: a schedule file has no heartbeats."""
+        return True
+
 
 class HttpScheduleSource:
     """The service's long-poll endpoint for one worker (each poll is also its heartbeat).
@@ -97,6 +110,7 @@ class HttpScheduleSource:
         self.base = service.rstrip("/")
         self.job_id, self.token, self.worker = job_id, token, worker
         self.dims = (num_pipelines, num_stages, num_microbatches)
+        self.max_wait_s: float | None = None  # the service's cap on this worker's wait, once it said it
         self._httpx = httpx
         self._http = httpx.Client(
             headers={"Authorization": f"Bearer {token}"},
@@ -107,19 +121,23 @@ class HttpScheduleSource:
     def fetch(self, after_version: int, wait: timedelta) -> Assignment | None:
         """See ScheduleSource.fetch."""
         d, s = self.worker
+        wait_s = wait.total_seconds()
+        if self.max_wait_s is not None:
+            wait_s = min(wait_s, self.max_wait_s)  # a longer wait would be cut by the service anyway
         url = (
             f"{self.base}/v1/jobs/{self.job_id}/schedule?worker={d},{s}"
-            f"&after_version={after_version}&wait={wait.total_seconds():g}"
+            f"&after_version={after_version}&wait={wait_s:g}"
         )
         httpx = self._httpx
         try:
             resp = self._http.get(
                 url,
                 headers={"If-None-Match": f'"{after_version}"'},
-                timeout=httpx.Timeout(wait.total_seconds() + 10),
+                timeout=httpx.Timeout(wait_s + 10),
             )
         except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError) as e:
             raise SourceUnavailable(f"{url}: {type(e).__name__}: {e}") from e
+        self._learn_wait(resp.headers.get(WAIT_HEADER))
         code = resp.status_code
         if code == 304:
             return None
@@ -133,6 +151,55 @@ class HttpScheduleSource:
         except ValueError as e:
             raise SourceUnavailable(f"{url}: {e}") from e
         return assignment_from_view(view, *self.dims)
+
+    def _learn_wait(self, value: str | None) -> None:
+        """Keep the service's cap on this worker's wait (an absent or odd header changes nothing)."""
+        if value is None:
+            return
+        try:
+            cap = float(value)
+        except ValueError:
+            return
+        if math.isfinite(cap) and cap > 0:
+            self.max_wait_s = cap
+
+    def done(self, deadline_s: float = DONE_DEADLINE_S) -> bool:
+        """Tell the service this worker completed its iterations (POST events `{"kind": "done"}` with
+        the worker token): it is then never declared failed for its silence, and the job turns
+        `finished` once every alive worker is done. Retried with the same event_id (the service
+        applies it once) on transport errors, 5xx, 408, 425 and 429 until `deadline_s`; True when
+        the service took it. Uses a connection of its own: the poll's may still be parked."""
+        httpx = self._httpx
+        d, s = self.worker
+        url = f"{self.base}/v1/jobs/{self.job_id}/events"
+        body = {
+            "event_id": f"done-{d}-{s}-{uuid.uuid4().hex[:12]}",
+            "kind": "done",
+            "workers": [[d, s]],
+            "reason": "completed its iterations",
+        }
+        deadline = time.monotonic() + deadline_s
+        backoff = Backoff(BASE_BACKOFF_S, 1.0)
+        with httpx.Client(headers={"Authorization": f"Bearer {self.token}"}, follow_redirects=True) as http:
+            while True:
+                try:
+                    resp = http.post(url, json=body, timeout=httpx.Timeout(5.0))
+                except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError) as e:
+                    error = f"{type(e).__name__}: {e}"
+                else:
+                    code = resp.status_code
+                    if code == 200:
+                        logger.info("told the service this worker is done: job %s", resp.json().get("state"))
+                        return True
+                    error = f"HTTP {code} {_detail(resp.content)}"
+                    if 400 <= code < 500 and code not in RETRIED_4XX:
+                        logger.error("the service refused this worker's `done`: %s", error)
+                        return False
+                delay = backoff.next()
+                if time.monotonic() + delay > deadline:
+                    logger.warning("could not tell the service this worker is done: %s", error)
+                    return False
+                time.sleep(delay)
 
     def close(self) -> None:
         """Close the connection (the client's poll thread calls it when it stops)."""
@@ -182,6 +249,13 @@ class ScheduleClient:
     def stop(self) -> None:
         """Stop polling (after the poll in flight)."""
         self._stop.set()
+
+    def done(self) -> bool:
+        """The worker completed its iterations: stop polling and tell the source (the service then
+        does not take the worker's silence for a failure); True when the source took it."""
+        self.stop()
+        tell = getattr(self.source, "done", None)
+        return True if tell is None else bool(tell())
 
     def latest(self) -> Assignment | None:
         """The newest assignment seen so far."""

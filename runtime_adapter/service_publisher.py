@@ -5,6 +5,10 @@ lets the service pick and version the schedules that the workers long-poll. Even
 not take (unreachable, 5xx) wait in an outbox and are re-sent with the same event_id, which the
 service applies once. Retries wait with exponential backoff and full jitter (backoff.py); the
 registration carries an Idempotency-Key, so a retry after a lost answer does not register a second job.
+
+Workers that completed their iterations tell the service themselves (a `done` event each, client.py),
+so the job turns `finished` and their silence is never taken for a failure: the heartbeat stays on
+until the end. An event for a finished job (409 `job_finished`) has nothing left to change: dropped.
 """
 
 from __future__ import annotations
@@ -187,22 +191,20 @@ class ServicePublisher:
             elif status == 409 and answer.get("error") == "unrecoverable":
                 logger.error("event %s: unrecoverable, stages %s lost", event["event_id"], answer["stages"])
                 outcomes[event["event_id"]] = Outcome(None, [int(s) for s in answer["stages"]])
+            elif status == 409 and answer.get("error") == "job_finished":
+                logger.info("event %s dropped: the job is finished", event["event_id"])
+                outcomes[event["event_id"]] = Outcome(self.version)
+                continue
             else:
                 raise PublisherError(f"event {event}: HTTP {status} {answer}")
             logger.info("event %s (%s %s): %s", event["event_id"], event["kind"], event["workers"], answer)
         return False
 
     def finish(self) -> None:
-        """Turn the job's heartbeat off, so that workers that finished and stopped polling are not
-        declared failed (the service has no "finished" state); best effort."""
+        """Deliver what the outbox still holds (best effort). The heartbeat stays on: workers that
+        completed posted `done` themselves, so the service neither declares them failed nor needs
+        to be told anything else (the job is `finished` once every alive worker is done)."""
         self.flush()
-        try:
-            status, answer = self._call("PATCH", f"/v1/jobs/{self.job_id}", {"heartbeat_enabled": False})
-        except OSError as e:
-            logger.warning("job %s: could not turn its heartbeat off: %s", self.job_id, e)
-            return
-        if status != 200:
-            logger.warning("job %s: turning its heartbeat off: HTTP %d %s", self.job_id, status, answer)
 
     def status(self) -> dict[str, Any]:
         """GET /v1/jobs/{id}."""

@@ -139,6 +139,7 @@ class RawPoller(threading.Thread):
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.job_id, self.token, self.worker, self.extra = job_id, token, worker, query_extra
         self.version = 0
+        self.answers: list[tuple[float, str | None]] = []  # (seconds the poll took, Recycle-Poll-Wait-Max)
 
     def run(self) -> None:
         buf = b""
@@ -146,6 +147,7 @@ class RawPoller(threading.Thread):
             while True:
                 path = f"/v1/jobs/{self.job_id}/schedule?worker={self.worker}&after_version={self.version}"
                 auth = f"Authorization: Bearer {self.token}"
+                sent = time.monotonic()
                 self.sock.sendall(
                     f"GET {path}&wait=30{self.extra} HTTP/1.1\r\nHost: x\r\n{auth}\r\n\r\n".encode()
                 )
@@ -157,6 +159,7 @@ class RawPoller(threading.Thread):
                 head, buf = buf.split(b"\r\n\r\n", 1)
                 fields = dict(ln.split(": ", 1) for ln in head.decode().split("\r\n")[1:])
                 fields = {k.lower(): v for k, v in fields.items()}
+                self.answers.append((time.monotonic() - sent, fields.get("recycle-poll-wait-max")))
                 size = int(fields.get("content-length", "0"))
                 while len(buf) < size:
                     buf += self.sock.recv(65536)
@@ -174,8 +177,9 @@ class RawPoller(threading.Thread):
 def test_worker_that_dies_mid_poll_is_failed_after_the_timeout_not_the_wait(
     tmp_path: Path, extra: str
 ) -> None:
-    """A long-poll counts as a heartbeat while its connection is open; when the worker dies its kernel
-    closes the socket, and the heartbeat timeout runs from then, not from the end of its 30 s wait."""
+    """A worker that polls again after every answer stays alive: it asks for a 30 s wait, the service
+    grants a third of the heartbeat timeout (and says so), so its polls keep arriving. When it dies,
+    the heartbeat timeout runs from its last poll's arrival, not from the end of a 30 s wait."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with server(tmp_path, port, RECYCLE_HEARTBEAT_CHECK_S="0.1"):
@@ -188,11 +192,52 @@ def test_worker_that_dies_mid_poll_is_failed_after_the_timeout_not_the_wait(
         time.sleep(3.0)  # three timeouts: an open poll keeps the worker alive
         assert httpx.get(f"{base}/v1/jobs/{job_id}", headers=CTL).json()["failed"] == []
         assert poller.is_alive() and poller.version >= 1
+        assert len(poller.answers) >= 5  # 304 after each capped wait: the polls keep arriving
+        assert all(took < 0.9 and cap == "0.333333" for took, cap in poller.answers[1:]), poller.answers
         poller.die()
         t0 = time.monotonic()
         while httpx.get(f"{base}/v1/jobs/{job_id}", headers=CTL).json()["failed"] != [[1, 1]]:
             assert time.monotonic() - t0 < 10, "dead poller not declared failed within 10 s"
             time.sleep(0.1)
+
+
+@pytest.mark.parametrize("extra", ["", "&wait=30"], ids=["fast-path", "route"])
+def test_partitioned_worker_is_failed_within_the_timeout_though_its_poll_socket_stays_open(
+    tmp_path: Path, extra: str
+) -> None:
+    """A silent partition closes no socket: the cut-off worker's last poll stays parked on an open
+    connection and nothing else arrives. Liveness comes only from polls arriving, so it is declared
+    failed within the heartbeat timeout (+ a margin) of that poll, not when a 30 s wait runs out,
+    while a healthy worker polling alongside stays alive."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    timeout_s = 1.5
+    with server(tmp_path, port, RECYCLE_HEARTBEAT_CHECK_S="0.2"):
+        body = {"job": JOB, "heartbeat_timeout_s": timeout_s}
+        r = httpx.post(f"{base}/v1/jobs", json=body, headers=CTL, timeout=30)
+        job_id, token = r.json()["id"], r.json()["worker_token"]
+        healthy = RawPoller(port, job_id, token, "0,0", extra)
+        healthy.start()
+        cut = socket.create_connection(("127.0.0.1", port))
+        path = f"/v1/jobs/{job_id}/schedule?worker=2,1&after_version=1&wait=30{extra}"
+        sent = time.monotonic()
+        cut.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\r\n".encode())
+        # ... and from now on the partitioned worker sends nothing, reads nothing, closes nothing.
+        while True:
+            doc = httpx.get(f"{base}/v1/jobs/{job_id}", headers=CTL).json()
+            took = time.monotonic() - sent
+            if doc["failed"]:
+                break
+            assert took < timeout_s + 1.0, "the partitioned worker was not declared failed in time"
+            time.sleep(0.02)
+        assert doc["failed"] == [[2, 1]], doc  # the healthy poller is alive
+        assert took >= timeout_s - 0.05, f"declared failed after {took:.2f} s, before its timeout"
+        assert took < timeout_s + 1.0
+        assert healthy.is_alive() and len(healthy.answers) >= 3
+        events = httpx.get(f"{base}/v1/jobs/{job_id}", headers=CTL).json()
+        assert events["state"] == "running" and events["failed"] == [[2, 1]]
+        cut.close()
+        healthy.die()
 
 
 def test_kill_9_mid_traffic_then_restart_keeps_every_job_and_version(tmp_path: Path) -> None:

@@ -10,10 +10,12 @@ from typing import Any
 
 import pytest
 
-from api.background import silent_workers
+from api.background import scan_heartbeats, silent_workers
+from api.errors import JobFinishedError, WorkerFailedError
 from api.jobs import JobService
 from api.metrics import Metrics
 from api.models import EventIn, JobCreate
+from api.routes.schedule import long_poll
 from api.settings import Settings
 from api.solver import SolveOutput, solve
 from api.store import SQLiteStore
@@ -108,11 +110,102 @@ def test_silent_workers(tmp_path: Path) -> None:
         service, _ = make_service(tmp_path)
         rt, _ = await service.create(JobCreate(job=JOB, heartbeat_timeout_s=5))
         now = time.monotonic()
-        rt.last_seen = {(0, 0): now - 10, (1, 0): now - 1, (2, 1): now - 10}
-        rt.polling = {(2, 1): 1}  # in a long-poll right now: alive
+        rt.last_seen = {(0, 0): now - 10, (1, 0): now - 1, (2, 1): now - 10, (1, 1): now - 3}
+        rt.done = {(2, 1)}  # completed its iterations: its silence is no failure
         assert silent_workers(rt, now, 30.0) == [(0, 0)]
+        silent, deadline = scan_heartbeats(rt, now, 30.0)
+        assert silent == [(0, 0)] and deadline == pytest.approx(now - 3 + 5)  # [1, 1] is next
         rt.record.heartbeat_enabled = False
-        assert silent_workers(rt, now, 30.0) == []
+        assert scan_heartbeats(rt, now, 30.0) == ([], None)
+        await service.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_parked_poll_is_no_sign_of_life(tmp_path: Path) -> None:
+    """Liveness comes from polls arriving: a worker whose poll stays parked (a partitioned worker's
+    socket stays open) is silent from the poll's arrival, and its poll waits at most a third of
+    the heartbeat timeout."""
+
+    async def scenario() -> None:
+        service, _ = make_service(tmp_path)
+        rt, _ = await service.create(JobCreate(job=JOB, heartbeat_timeout_s=0.3))
+        assert service.poll_wait_cap(rt) == pytest.approx(0.1)
+        t0 = time.monotonic()
+        body, _, most = await long_poll(service, rt, (1, 1), rt.version, 30.0, heartbeat=True)
+        assert body is None and 0.09 <= time.monotonic() - t0 < 1.0 and float(most) == pytest.approx(0.1)
+        arrival = rt.last_seen[(1, 1)]
+        assert arrival <= t0 + 0.05  # the arrival, not the end of the poll
+        rt.record.heartbeat_enabled = False  # no cap now: the next poll stays parked (heartbeats off)
+        poll = asyncio.create_task(long_poll(service, rt, (1, 1), rt.version, 30.0, heartbeat=True))
+        await asyncio.sleep(0.05)
+        arrival = rt.last_seen[(1, 1)]
+        rt.record.heartbeat_enabled = True  # switched on behind the service's back: no PATCH, no wake-up
+        await asyncio.sleep(0.35)
+        assert not poll.done() and rt.last_seen[(1, 1)] == arrival
+        assert silent_workers(rt, time.monotonic(), 30.0) == [(1, 1)]  # parked, yet silent
+        service.set_switches(rt, True, 0.3)  # a PATCH restarts tracking and ends the parked poll
+        assert rt.last_seen[(1, 1)] > arrival
+        assert (await asyncio.wait_for(poll, 1.0))[0] is None
+        await service.stop()
+
+    asyncio.run(scenario())
+
+
+def test_done_workers_finish_the_job(tmp_path: Path) -> None:
+    """`done` events: no version until every alive worker is done, then one version with the same
+    schedule and state finished; then every event but a done of done workers is refused. A failed
+    worker's done is refused; the done set survives a reload from the store."""
+
+    async def scenario() -> None:
+        service, _ = make_service(tmp_path)
+        rt, _ = await service.create(JobCreate(job=JOB, heartbeat_timeout_s=5))
+        job_id = rt.record.id
+        await service.apply_event(job_id, EventIn(event_id="f", kind="fail", workers=[(2, 1)]))
+        assert rt.version == 2 and rt.view is not None
+        schedule = rt.view.schedule
+        with pytest.raises(WorkerFailedError):
+            await service.apply_event(job_id, EventIn(event_id="x", kind="done", workers=[(2, 1)]))
+        alive = [(d, s) for d in range(3) for s in range(2) if (d, s) != (2, 1)]
+        rt.last_seen = {w: time.monotonic() for w in alive}
+        for i, w in enumerate(alive[:-1]):
+            done = EventIn(event_id=f"d{i}", kind="done", workers=[w])
+            result, lost = await service.apply_event(job_id, done)
+            assert lost == [] and result["state"] == "running" and result["version"] == 2
+            assert result["changed"] is False and w not in rt.last_seen
+        last = EventIn(event_id="last", kind="done", workers=[alive[-1]])
+        result, _ = await service.apply_event(job_id, last)
+        assert result["state"] == "finished" and result["version"] == 3 and result["changed"] is False
+        assert rt.record.state == "finished" and rt.view.state == "finished" and rt.view.schedule == schedule
+        assert rt.done == set(alive) and rt.last_seen == {}
+        again, _ = await service.apply_event(job_id, last)
+        assert again == {**result, "replayed": True}
+        other, _ = await service.apply_event(job_id, EventIn(event_id="o", kind="done", workers=alive[:2]))
+        assert other["state"] == "finished" and other["version"] == 3 and rt.version == 3
+        late = [("fail", (0, 0)), ("rejoin", (2, 1)), ("done", (2, 1))]
+        for kind, w in late:
+            with pytest.raises(JobFinishedError):
+                event = EventIn.model_validate({"event_id": f"late-{kind}", "kind": kind, "workers": [w]})
+                await service.apply_event(job_id, event)
+        await service.stop()
+        service.store.close()
+        reloaded, _ = make_service(tmp_path)
+        (back,) = reloaded.load()
+        assert back.record.state == "finished" and back.done == set(alive) and back.version == 3
+
+    asyncio.run(scenario())
+
+
+def test_a_fail_drops_the_done_mark_and_can_finish_the_job(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        service, _ = make_service(tmp_path)
+        rt, _ = await service.create(JobCreate(job=JOB))
+        job_id = rt.record.id
+        others = [(d, s) for d in range(3) for s in range(2) if d != 2]
+        await service.apply_event(job_id, EventIn(event_id="d", kind="done", workers=[*others, (2, 0)]))
+        assert rt.record.state == "running" and rt.version == 1
+        await service.apply_event(job_id, EventIn(event_id="f", kind="fail", workers=[(2, 0), (2, 1)]))
+        assert rt.record.state == "finished" and rt.done == set(others) and rt.version == 2
         await service.stop()
 
     asyncio.run(scenario())

@@ -38,6 +38,34 @@ def _job(store: SQLiteStore, job_id: str = "j1") -> None:
     store.create_job(JobRecord(job_id, "n", "{}", f"hash-{job_id}", time.time()))
 
 
+def test_a_store_file_from_before_the_done_column_is_upgraded(tmp_path: Path) -> None:
+    """A jobs table without `done_workers` (written before the finished state) gets the column on
+    open; its jobs load with no done workers, and done workers persist from then on."""
+    import sqlite3
+
+    old = sqlite3.connect(tmp_path / "recycle.sqlite3")
+    old.execute(
+        "CREATE TABLE jobs (id TEXT PRIMARY KEY, name TEXT NOT NULL, spec_json TEXT NOT NULL, "
+        "worker_token_hash TEXT NOT NULL, created_at REAL NOT NULL, state TEXT NOT NULL, "
+        "max_failures INTEGER NOT NULL, heartbeat_enabled INTEGER NOT NULL, heartbeat_timeout_s REAL, "
+        "scenario_json TEXT NOT NULL, version INTEGER NOT NULL, unrecoverable_stages TEXT NOT NULL, "
+        "precompute_total INTEGER NOT NULL, precompute_done INTEGER NOT NULL)"
+    )
+    row = "('j0', 'n', '{}', 'h0', 1.0, 'running', 2, 1, NULL, '{}', 1, '[]', 0, 0)"
+    old.execute(f"INSERT INTO jobs VALUES {row}")
+    old.commit()
+    old.close()
+    store = SQLiteStore(tmp_path)
+    (job,) = store.list_jobs()
+    assert job.id == "j0" and job.done_workers == []
+    store.apply("j0", {"done_workers": [[0, 1]], "state": "finished"})
+    store.close()
+    again = SQLiteStore(tmp_path)  # a second open does not add the column twice
+    job2 = again.get_job("j0")
+    assert job2 is not None and job2.done_workers == [[0, 1]] and job2.state == "finished"
+    again.close()
+
+
 def _ver(job_id: str, v: int) -> VersionRecord:
     return VersionRecord(job_id, v, "{}", f'{{"v": {v}}}', "greedy", 1.0, None, time.time())
 

@@ -1,6 +1,6 @@
 """The worker's schedule client and the launcher's service publisher against stub HTTP servers
-(in-process, no planner service): keep-alive, answers to each status, jittered backoff, and the
-registration's Idempotency-Key."""
+(in-process, no planner service): keep-alive, answers to each status, jittered backoff, the
+registration's Idempotency-Key, the service's wait cap, and a worker's `done`."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ class Stub(ThreadingHTTPServer):
 
     def __init__(self, answer: Callable[[BaseHTTPRequestHandler], Answer]) -> None:
         self.answer, self.connections = answer, 0
+        self.headers: dict[str, str] = {}  # sent with every answer
         self.requests: list[tuple[str, str, dict[str, str], bytes]] = []
         super().__init__(("127.0.0.1", 0), Handler)
 
@@ -71,6 +72,8 @@ class Handler(BaseHTTPRequestHandler):
             return
         data = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
         self.send_response(status)
+        for name, value in self.server.headers.items():
+            self.send_header(name, value)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -220,3 +223,89 @@ def test_outbox_waits_a_jittered_delay_between_attempts() -> None:
             assert pub.flush() == [] and len(events) == 1  # not before its time
             time.sleep(0.005)
         assert pub.flush() == [] and not pub.outbox and len(events) == 2 and pub.version == 2
+
+
+def test_client_asks_for_no_longer_a_wait_than_the_service_grants() -> None:
+    """The service caps a heartbeat poll's wait (a third of the heartbeat timeout) and says so in
+    Recycle-Poll-Wait-Max: from the next poll on, the client asks for no more than that."""
+    with stub(lambda h: (304, b"")) as server:
+        src = source(server.url)
+        assert src.fetch(0, timedelta(seconds=30)) is None
+        server.headers = {"Recycle-Poll-Wait-Max": "0.5"}
+        assert src.fetch(0, timedelta(seconds=30)) is None  # still asked for 30: it had not heard yet
+        assert src.fetch(0, timedelta(seconds=30)) is None
+        assert src.fetch(0, timedelta(seconds=0.2)) is None  # a shorter wait stays as asked
+        server.headers = {"Recycle-Poll-Wait-Max": "nonsense"}  # ignored: the cap it knows stays
+        assert src.fetch(0, timedelta(seconds=30)) is None
+        assert src.fetch(0, timedelta(seconds=30)) is None
+        waits = [p.split("&wait=")[1] for _, p, _, _ in server.requests]
+        assert waits == ["30", "30", "0.5", "0.2", "0.5", "0.5"], waits
+        src.close()
+
+
+def test_done_posts_one_event_retried_with_the_same_id() -> None:
+    """A worker that completed tells the service with a `done` event (its worker token), retried with
+    the same event_id while the service answers 503, then stops."""
+    answers: list[Answer] = [(503, {"detail": "restarting"}), (200, {"version": 3, "state": "finished"})]
+
+    def answer(h: BaseHTTPRequestHandler) -> Answer:
+        return answers.pop(0)
+
+    with stub(answer) as server:
+        assert source(server.url).done(deadline_s=10) is True
+    posts = [(m, p, h, json.loads(b)) for m, p, h, b in server.requests]
+    assert [(m, p) for m, p, _, _ in posts] == [("POST", "/v1/jobs/job1/events")] * 2
+    assert all(h["Authorization"] == "Bearer tok" for _, _, h, _ in posts)
+    first, second = posts[0][3], posts[1][3]
+    assert first == second and first["kind"] == "done" and first["workers"] == [[0, 1]]
+    assert first["event_id"].startswith("done-0-1-")
+
+
+def test_done_gives_up_on_a_refusal_and_after_its_deadline() -> None:
+    with stub(lambda h: (409, {"detail": "failed", "error": "worker_failed"})) as server:
+        t0 = time.monotonic()
+        assert source(server.url).done(deadline_s=10) is False
+        assert time.monotonic() - t0 < 2 and len(server.requests) == 1  # a 4xx is not retried
+    t0 = time.monotonic()
+    assert source(f"http://127.0.0.1:{free_port()}").done(deadline_s=0.5) is False
+    assert time.monotonic() - t0 < 3
+
+
+def test_schedule_client_done_stops_polling_and_tells_the_source() -> None:
+    calls: list[str] = []
+
+    class Source:
+        def fetch(self, after_version: int, wait: timedelta) -> None:
+            calls.append("fetch")
+            time.sleep(0.01)
+
+        def done(self) -> bool:
+            calls.append("done")
+            return True
+
+    client = ScheduleClient(Source()).start()
+    while "fetch" not in calls:
+        time.sleep(0.005)
+    assert client.done() is True
+    client._thread.join(timeout=5)
+    assert not client._thread.is_alive() and calls.count("done") == 1
+    assert calls.index("done") >= len(calls) - 2  # at most the poll already under way came after it
+    assert ScheduleClient(Unreachable()).done() is True  # a source without done(): nothing to tell
+
+
+def test_service_publisher_finish_keeps_the_heartbeat_and_drops_events_of_a_finished_job() -> None:
+    """finish() only delivers the outbox (no PATCH turning the heartbeat off); an event the service
+    refuses because the job is finished (409 job_finished) is dropped, not an error."""
+    seen: list[tuple[str, str]] = []
+
+    def answer(h: BaseHTTPRequestHandler) -> Answer:
+        seen.append((h.command, h.path))
+        return 409, {"detail": "finished", "error": "job_finished"}
+
+    with stub(answer) as server:
+        pub = ServicePublisher(server.url, "ctl", tiny_job(2, 2), job_id="j", worker_token="w")
+        pub.version = 5
+        outcome = pub.report("fail", [(1, 1)], "process exited")
+        assert outcome.version == 5 and outcome.lost_stages == [] and not pub.outbox
+        pub.finish()
+    assert seen == [("POST", "/v1/jobs/j/events")]

@@ -1,7 +1,8 @@
 """Workers and launcher against the real planner service (uvicorn on 127.0.0.1, data dir in tmp).
 
 The launcher is the job's controller (ServicePublisher: registration, fail / rejoin events); the
-workers long-poll their schedule over HTTP (HttpScheduleSource).
+workers long-poll their schedule over HTTP (HttpScheduleSource) and post `done` when they completed,
+so the job ends `finished` with its heartbeat still on.
 """
 
 from __future__ import annotations
@@ -118,12 +119,14 @@ def test_heartbeat_timeout_fails_a_killed_worker(
     service: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The launcher does not report the death: the service's heartbeat timeout fails the worker and
-    the survivors get the re-routed schedule over HTTP."""
+    the survivors get the re-routed schedule over HTTP. The survivors then post `done`: the job is
+    finished, with its heartbeat still on, and their silence is never taken for a failure."""
     job, n, victim = tiny_job(2, 2), 24, (1, 1)
-    # Workers long-poll with the default 30 s wait: the service ends a poll when its client's
-    # socket closes, so detection takes the heartbeat timeout, not the poll wait.
+    # Workers ask for the default 30 s wait; the service grants a third of the heartbeat timeout and
+    # counts only polls arriving, so detection takes the heartbeat timeout, not the poll wait.
     monkeypatch.setenv("RECYCLE_POLL_WAIT_S", "30")
-    pub = ServicePublisher(service, TOKEN, job, max_failures=1, heartbeat_timeout_s=1.5)
+    timeout_s = 1.5
+    pub = ServicePublisher(service, TOKEN, job, max_failures=1, heartbeat_timeout_s=timeout_s)
     spec = LaunchSpec(job, asdict(CFG), n, tmp_path, pace_ms=50)
     launcher = Launcher(spec, publisher=pub, report_failures=False)
     launcher.start()
@@ -138,7 +141,10 @@ def test_heartbeat_timeout_fails_a_killed_worker(
     assert doc["failed"] == [list(victim)] and doc["state"] == "running"
     codes = launcher.wait(timedelta(seconds=150))
     assert all(codes[w] == 0 for w in survivors), codes
-    assert pub.status()["heartbeat_enabled"] is False  # finished workers stop polling: not failures
+    time.sleep(timeout_s + 1.0)  # the survivors stopped polling a timeout ago: not failures
+    end = pub.status()
+    assert end["state"] == "finished" and end["heartbeat_enabled"] is True, end
+    assert end["failed"] == [list(victim)] and end["done"] == [list(w) for w in survivors], end
     versions = {r["version"] for w in survivors for r in records(tmp_path, w) if r["event"] == "step"}
     assert doc["version"] in versions or max(versions) > doc["version"], versions
     assert_exactly_once(tmp_path, job, n)
@@ -160,7 +166,7 @@ def test_whole_stage_lost_under_the_service_restores_and_rejoins(service: str, t
     assert launcher.restores == 1
     assert any(status == 409 and a.get("error") == "unrecoverable" for status, a in pub.answers), pub.answers
     doc = pub.status()
-    assert doc["state"] == "running" and doc["failed"] == [], doc
+    assert doc["state"] == "finished" and doc["failed"] == [], doc
     for w in spec.workers():
         assert [r["stepped"] for r in records(tmp_path, w) if r["event"] == "resume"] == [4], w
     assert_exactly_once(tmp_path, job, n)
@@ -206,7 +212,7 @@ def test_service_outage_then_kill_and_rejoin(tmp_path: Path, monkeypatch: pytest
         doc = pub.status()
         stop(proc)
     assert all(rc == 0 for rc in codes.values()), codes
-    assert doc["state"] == "running" and doc["failed"] == [], doc
+    assert doc["state"] == "finished" and doc["failed"] == [], doc
     assert [status for status, _ in pub.answers] == [200, 200], pub.answers
     assert steps(out, [victim], v_rejoin) >= 1  # the standby trained under the rejoin version
     assert_exactly_once(out, job, n)

@@ -48,6 +48,8 @@ def job_status(service: JobService, rt: JobRuntime) -> JobStatus:
         heartbeat_timeout_s=rec.heartbeat_timeout_s or service.settings.heartbeat_timeout_s,
         precompute=Precompute(total=rec.precompute_total, done=rec.precompute_done),
         created_at=rec.created_at,
+        done=sorted(rt.done),
+        poll_wait_max_s=service.poll_wait_cap(rt),
     )
 
 

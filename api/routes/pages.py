@@ -88,12 +88,13 @@ async def job_page(
         raise HTTPException(403, "this worker token belongs to another job")
     rt = service.get(job_id)
     rec, view = rt.record, rt.view
-    state_cls = "ok" if rec.state == "running" else "bad"
+    state_cls = "ok" if rec.state in ("running", "finished") else "bad"
     rows = [
         ("job", escape(rec.name)),
         ("state", f'<span class="{state_cls}">{escape(rec.state)}</span>'),
         ("failed workers", escape(json.dumps([list(w) for w in rt.scenario.failed])) or "none"),
         ("slow workers", escape(json.dumps([s.model_dump(mode="json") for s in rt.scenario.slow]))),
+        ("done workers", escape(json.dumps([list(w) for w in sorted(rt.done)]))),
         ("version", str(rec.version)),
         ("made by", escape(view.source) if view else "-"),
         ("iteration time (ms)", f"{view.schedule['iteration_time_ms']:.3f}" if view else "-"),

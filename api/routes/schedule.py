@@ -1,11 +1,14 @@
 """/v1/jobs/{id}/schedule: the long-poll workers use. A poll with `worker` and the job's worker token is
-that worker's heartbeat; a controller-token poll never is."""
+that worker's heartbeat (its arrival is: a poll left parked is no sign of life) and waits at most a
+third of the heartbeat timeout; a controller-token poll never is a heartbeat."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from asyncio import FIRST_COMPLETED
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -18,6 +21,9 @@ from api.views import VersionView
 from planner.errors import InvalidInputError
 
 router = APIRouter(prefix="/v1/jobs", tags=["schedule"])
+
+# The longest wait (seconds) the service grants this poll; a worker should ask for no more.
+WAIT_HEADER = "Recycle-Poll-Wait-Max"
 
 
 def parse_worker(text: str, rt: JobRuntime) -> tuple[int, int]:
@@ -54,18 +60,24 @@ async def until_disconnect(receive: Receive) -> None:
 
 
 async def wait_newer(
-    rt: JobRuntime, after: int, wait_s: float, receive: Receive | None = None
+    rt: JobRuntime,
+    after: int,
+    wait_s: float,
+    receive: Receive | None = None,
+    cap: Callable[[], float] | None = None,
 ) -> VersionView | None:
     """The current view once its version is above `after`, or None after `wait_s` seconds.
 
     With `receive` (the request's ASGI receive), a client that disconnects ends the wait with
-    ClientGone, so a dead worker's heartbeat stops when it dies, not when its poll would have ended.
+    ClientGone (nobody would read the answer). `cap()`, read again on every wake-up, bounds the wait
+    further: the job's heartbeat switches can change while the poll is parked.
     """
-    deadline = time.monotonic() + wait_s
+    start = time.monotonic()
     gone: asyncio.Future[Any] | None = None
     try:
         while rt.view is None or rt.version <= after:
-            remaining = deadline - time.monotonic()
+            limit = wait_s if cap is None else min(wait_s, cap())
+            remaining = start + limit - time.monotonic()
             if remaining <= 0:
                 return None
             if receive is None:
@@ -88,11 +100,27 @@ async def wait_newer(
     return rt.view
 
 
+_WAIT_DOC = {
+    WAIT_HEADER: {
+        "description": "The longest wait (seconds) this poll was granted: RECYCLE_MAX_WAIT_S, and a third "
+        "of the heartbeat timeout for a worker's heartbeat poll. A worker should ask for no more.",
+        "schema": {"type": "string"},
+    }
+}
+
+
 @router.get(
     "/{job_id}/schedule",
     responses={
-        200: {"model": ScheduleEnvelope | WorkerView, "description": "The schedule (or one worker's view)."},
-        304: {"description": "No version newer than after_version / If-None-Match within `wait`."},
+        200: {
+            "model": ScheduleEnvelope | WorkerView,
+            "description": "The schedule (or one worker's view).",
+            "headers": _WAIT_DOC,
+        },
+        304: {
+            "description": "No version newer than after_version / If-None-Match within `wait`.",
+            "headers": _WAIT_DOC,
+        },
     },
 )
 async def get_schedule(
@@ -112,10 +140,11 @@ async def get_schedule(
     w = None if worker is None else parse_worker(worker, rt)
     after = max(after_version, etag_version(if_none_match))
     beat = principal.token_job == job_id
-    body, etag = await long_poll(service, rt, w, after, wait, request.receive, heartbeat=beat)
+    body, etag, most = await long_poll(service, rt, w, after, wait, request.receive, heartbeat=beat)
+    headers = {"ETag": etag, WAIT_HEADER: most}
     if body is None:
-        return Response(status_code=304, headers={"ETag": etag})
-    return Response(body, media_type="application/json", headers={"ETag": etag})
+        return Response(status_code=304, headers=headers)
+    return Response(body, media_type="application/json", headers=headers)
 
 
 async def long_poll(
@@ -126,32 +155,36 @@ async def long_poll(
     wait: float,
     receive: Receive | None = None,
     heartbeat: bool = False,
-) -> tuple[bytes | None, str]:
-    """The poll itself: (body, ETag), body None for a 304 (also when the client disconnected while
-    waiting: nobody reads that answer).
+) -> tuple[bytes | None, str, str]:
+    """The poll itself: (body, ETag, the Recycle-Poll-Wait-Max value), body None for a 304 (also
+    when the client disconnected while waiting: nobody reads that answer).
 
     It is a heartbeat of `w` only when `heartbeat` is true: the poll was authenticated with the job's
     own worker token. A controller-token poll (a person trying the endpoint with curl) must not
-    start heartbeat tracking, or the worker it named would be declared failed a timeout later.
+    start heartbeat tracking, or the worker it named would be declared failed a timeout later. A
+    heartbeat counts when the request arrives, never while it is parked or when it is answered (a
+    partitioned worker's open socket takes the answer as well), so its wait is capped at a third of
+    the heartbeat timeout (JobService.poll_wait_cap): a healthy worker's next poll arrives in time.
+    A worker that reported `done` is no longer tracked; its polls are plain reads.
 
     Shared by the route above and by api/fastpoll.py, which answers well-formed polls without
     FastAPI's routing and dependency injection.
     """
     wait_s = min(wait, service.settings.max_wait_s)
-    beat = w if heartbeat else None
-    if beat is not None:
-        rt.last_seen[beat] = time.monotonic()
-        rt.polling[beat] = rt.polling.get(beat, 0) + 1
+    cap: Callable[[], float] | None = None
+    if heartbeat and w is not None and w not in rt.done:
+        rt.last_seen[w] = time.monotonic()
+        cap = functools.partial(service.poll_wait_cap, rt)
+        most = cap()
+    else:
+        most = service.settings.max_wait_s
     service.metrics.pollers.inc(1)
     try:
-        view = await wait_newer(rt, after, wait_s, receive)
+        view = await wait_newer(rt, after, wait_s, receive, cap)
     except ClientGone:
         view = None
     finally:
         service.metrics.pollers.inc(-1)
-        if beat is not None:
-            rt.polling[beat] -= 1
-            rt.last_seen[beat] = time.monotonic()
     if view is None:
-        return None, f'"{rt.version}"'
-    return (view.full() if w is None else view.for_worker(w)), f'"{view.version}"'
+        return None, f'"{rt.version}"', f"{most:g}"
+    return (view.full() if w is None else view.for_worker(w)), f'"{view.version}"', f"{most:g}"
