@@ -197,12 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     from api.cli import add_serve_parser
-    from runtime_adapter.cli import add_launch_parser, add_profile_parser, add_worker_parser
+    from runtime_adapter.cli import add_launch_parser, add_profile_parser, add_store_parser, add_worker_parser
     from whatif.cli import add_whatif_parsers
 
     add_serve_parser(sub)
     add_worker_parser(sub)
     add_launch_parser(sub)
+    add_store_parser(sub)
     add_profile_parser(sub)
 
     add_whatif_parsers(sub)

@@ -1,5 +1,5 @@
-"""`recycle worker`, `recycle launch` and `recycle profile`: parsers and commands (wired into
-planner/cli.py; `recycle launch` itself is in launch_cli.py).
+"""`recycle worker`, `recycle launch`, `recycle store` and `recycle profile`: parsers and commands
+(wired into planner/cli.py; `recycle launch` itself is in launch_cli.py, `recycle store` in store.py).
 
 Also runnable alone: `python -m runtime_adapter.cli worker ...` (what the launcher starts).
 """
@@ -29,7 +29,16 @@ from runtime_adapter.cli_inputs import (
 )
 from runtime_adapter.launch_cli import add_launch_parser, cmd_launch
 
-__all__ = ["add_launch_parser", "add_profile_parser", "add_worker_parser", "cmd_launch", "cmd_worker", "main"]
+__all__ = [
+    "add_launch_parser",
+    "add_profile_parser",
+    "add_store_parser",
+    "add_worker_parser",
+    "cmd_launch",
+    "cmd_store",
+    "cmd_worker",
+    "main",
+]
 
 # torch-heavy modules are imported inside the commands: building the `recycle` parser must not load torch.
 
@@ -134,6 +143,30 @@ def cmd_worker(args: argparse.Namespace) -> int:
     os._exit(code)
 
 
+def add_store_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`recycle store`: the rendezvous store as a process of its own."""
+    p = sub.add_parser(
+        "store",
+        help="host the rendezvous store (a TCPStore) until SIGTERM/SIGINT; restart it on the same address "
+        "if it dies: running jobs carry on",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on, only that one (default 127.0.0.1; 0.0.0.0: every interface; the store "
+        "has no authentication)",
+    )
+    p.add_argument("--port", type=int, default=0, help="port to listen on (default 0: a free one)")
+    p.set_defaults(func=cmd_store)
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    """Print `store listening on HOST:PORT` and serve until SIGTERM/SIGINT (store.py)."""
+    from runtime_adapter.store import cmd_store as run
+
+    return run(args)
+
+
 def add_profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """`recycle profile`: measure the stages of a Training (--entry; default the reference GPT) here and
     write a job spec."""
@@ -210,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     add_worker_parser(sub)
     add_launch_parser(sub)
+    add_store_parser(sub)
     add_profile_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")

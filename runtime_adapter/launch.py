@@ -1,7 +1,8 @@
 """`recycle launch`: start a D x P job on one machine and keep it going when workers die.
 
-Unlike torchrun's agent, a dead worker does not take the others down: the launcher hosts the store,
-notices the death and reports it to its publisher (publishers.py): either a schedule file it writes
+Unlike torchrun's agent, a dead worker does not take the others down: the launcher hosts the store
+(or uses an external one, `LaunchSpec.store`, e.g. a `recycle store`, which may die and be restarted:
+store.py), notices the death and reports it to its publisher (publishers.py): either a schedule file it writes
 from `schedule_for(failed set)` (the planner, or a directory of precomputed schedules: the launcher
 itself never plans), or the planner service, whose job it controls (fail / rejoin events). `restart`
 brings a worker back (it re-joins from a peer) and reports the rejoin.
@@ -37,6 +38,8 @@ from runtime_adapter.assignment import Worker
 from runtime_adapter.launch_spec import SCHEDULE_FILE, LaunchSpec
 from runtime_adapter.progress import last_step, log_error
 from runtime_adapter.publishers import FilePublisher, Publisher, ScheduleFor, lost_stages, publish
+from runtime_adapter.settings import runtime_settings
+from runtime_adapter.store import StoreClient, StoreUnavailable
 from runtime_adapter.summary import LaunchEvent
 from runtime_adapter.worker import EXIT_DROPPED, EXIT_NEEDS_RESTORE, EXIT_REJECTED
 
@@ -96,7 +99,8 @@ class Launcher:
         self.failed: set[Worker] = set()
         self.finished: set[Worker] = set()
         self.events: list[tuple[float, str, Worker]] = []
-        self.store: dist.TCPStore | None = None
+        self.store: dist.TCPStore | None = None  # the store it hosts (None with an external one)
+        self.store_client: StoreClient | None = None  # its client (standby keys), either way
         self.history: list[LaunchEvent] = []
         self.standbys: dict[Worker, list[tuple[str, subprocess.Popen[bytes]]]] = {}
         # pid -> (its log, accounting size at start, first start of the job: not a re-join/standby/resume)
@@ -114,10 +118,28 @@ class Launcher:
         """The newest schedule version the publisher made (as far as the launcher knows)."""
         return self.publisher.version
 
+    @property
+    def store_address(self) -> tuple[str, int]:
+        """Where the workers reach the store (set by `start`)."""
+        assert self.store_client is not None, "start() first"
+        return self.store_client.addr
+
     def start(self) -> None:
-        """Host the store, publish version 1 and start every worker."""
+        """Host the store (unless the spec names an external one), publish version 1 and start every
+        worker."""
         self.spec.out_dir.mkdir(parents=True, exist_ok=True)
         (self.spec.out_dir / "job.json").write_text(self.spec.job.model_dump_json())
+        timeout = runtime_settings().group_timeout
+        if self.spec.store is not None:  # reconnects when the store is restarted
+            self.store_client = StoreClient(self.spec.store, timeout)
+            try:
+                self.store_client.connect()
+            except StoreUnavailable as e:
+                raise LaunchError(str(e)) from e
+            self.publisher.start()
+            for w in self.spec.workers():
+                self._spawn(w, rejoin=False)
+            return
         try:
             self.store = dist.TCPStore(
                 "127.0.0.1",
@@ -128,6 +150,7 @@ class Launcher:
             )
         except RuntimeError as e:  # e.g. --store-port taken since it was checked
             raise LaunchError(f"cannot host the store on 127.0.0.1:{self.spec.store_port}: {e}") from e
+        self.store_client = StoreClient(("127.0.0.1", self.store.port), timeout, server=self.store)
         self.publisher.start()
         for w in self.spec.workers():
             self._spawn(w, rejoin=False)
@@ -140,7 +163,6 @@ class Launcher:
         fail_at: tuple[int, str] | None = None,
         resume: bool = False,
     ) -> subprocess.Popen[bytes]:
-        assert self.store is not None
         name = f"worker_{w[0]}_{w[1]}" + (
             "" if standby_key is None else f"_standby{standby_key.rsplit('.', 1)[1]}"
         )
@@ -148,7 +170,7 @@ class Launcher:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
         env["LOCAL_RANK"] = str(self.spec.workers().index(w))  # --device cuda: cuda:<LOCAL_RANK % count>
         cmd = self.spec.command(
-            w, self.store.port, rejoin, standby_key, fail_at, self.publisher.worker_args(), resume
+            w, self.store_address[1], rejoin, standby_key, fail_at, self.publisher.worker_args(), resume
         )
         acct = self.acct_path(w)
         offset = acct.stat().st_size if acct.exists() else 0
@@ -182,7 +204,7 @@ class Launcher:
 
     def activate(self, w: Worker) -> None:
         """Bring failed worker `w` back from its next standby, under a new version."""
-        assert self.store is not None and w in self.failed
+        assert self.store_client is not None and w in self.failed
         key, proc = self.standbys[w].pop(0)
         self.retired.append(self.procs[w])
         self._set_proc(w, proc)
@@ -195,7 +217,7 @@ class Launcher:
         self.failed.discard(w)
         self._record("rejoin", w)
         self.publisher.report("rejoin", [w], "warm standby activated")
-        self.store.set(key, str(self.version))
+        self.store_client.set(key, str(self.version))
 
     def poll(self) -> list[Worker]:
         """Reap exited workers and report the ones that died; restore from a checkpoint when the

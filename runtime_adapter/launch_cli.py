@@ -2,8 +2,9 @@
 
 Before any process starts: the job spec, the entry point and its model (every stage builds on the meta
 device, the data function is deterministic on a few micro-batches), the device, every numeric flag, the
-store port, a fresh --out, and the schedules (a precompute directory for this very job, or named
-schedule files that fit it) are checked; bad input is one line on stderr and exit 2. Then it prints
+store (the port to host it on, or with --store an external store that answers), a fresh --out, and the
+schedules (a precompute directory for this very job, or named schedule files that fit it) are checked;
+bad input is one line on stderr and exit 2. Then it prints
 where every output goes, the job id and page with --service, one line per iteration with the loss
 (also appended to <out>/loss.csv), a line for every failure, re-join and restore, and a summary
 (summary.py). Exit 0 when every worker that did not fail finished; 1 when the job could not go on
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from planner.cli_io import finite_float
+from planner.errors import InvalidInputError
 from runtime_adapter.cli_inputs import (
     add_checkpoint_args,
     add_model_args,
@@ -30,6 +32,7 @@ from runtime_adapter.cli_inputs import (
     check_min,
     check_store_port,
     parse_kwargs,
+    parse_store,
     read_job,
     resolve_checkpoint_every,
 )
@@ -42,6 +45,8 @@ if TYPE_CHECKING:
     from runtime_adapter.publishers import Publisher
 
 logger = logging.getLogger(__name__)
+
+STORE_CHECK = timedelta(seconds=5)  # --store: how long the check before start waits for an answer
 
 
 def add_launch_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -97,7 +102,16 @@ def add_launch_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         help="cpu (default), cuda (worker i on cuda:<i %% devices>), cuda:N or auto (cuda if available)",
     )
     p.add_argument(
-        "--store-port", type=int, default=0, help="port of the rendezvous store (default 0: a free one)"
+        "--store-port",
+        type=int,
+        default=None,
+        help="port of the rendezvous store the launcher hosts on 127.0.0.1 (default 0: a free one)",
+    )
+    p.add_argument(
+        "--store",
+        metavar="HOST:PORT",
+        help="use the rendezvous store at HOST:PORT (e.g. a `recycle store`, which may be restarted "
+        "mid-run) instead of hosting one; not with --store-port",
     )
     p.add_argument("--print-every", type=int, default=1, help="print the loss every N iterations (default 1)")
     p.add_argument(
@@ -118,7 +132,28 @@ def _check_flags(args: argparse.Namespace) -> None:
     check_min("--heartbeat-timeout", args.heartbeat_timeout, 0, strict=True)
     check_min("--timeout", args.timeout, 0, strict=True)
     check_min("--print-every", args.print_every, 1)
-    check_store_port(args.store_port)
+    if args.store is None:
+        args.store_port = 0 if args.store_port is None else args.store_port
+        check_store_port(args.store_port)
+        return
+    if args.store_port is not None:
+        raise InvalidInputError(
+            "--store and --store-port exclude each other (an external store, or one hosted here)"
+        )
+    args.store_port = 0
+    _check_store(parse_store(args.store))
+
+
+def _check_store(addr: tuple[str, int]) -> None:
+    """--store HOST:PORT: a rendezvous store answers there now (before any process starts)."""
+    from runtime_adapter.store import check_reachable
+
+    failure = check_reachable(addr, STORE_CHECK)
+    if failure is not None:
+        raise InvalidInputError(
+            f"--store {addr[0]}:{addr[1]}: no rendezvous store reachable there ({failure}); "
+            "start one with `recycle store --host HOST --port PORT`"
+        )
 
 
 def _check_training(args: argparse.Namespace, job: JobSpec, model: dict[str, Any]) -> tuple[str, str]:
@@ -213,7 +248,7 @@ class _Reporter:
 
 def _finish(publisher: Publisher) -> None:
     """Tell the publisher the job is over after the launcher stopped every worker (with --service:
-    heartbeats off, so the stopped workers are not declared failed later); best effort."""
+    flush its queued events; the workers posted `done` themselves); best effort."""
     try:
         publisher.finish()
     except Exception as e:  # the launch is already failing: report, do not mask its error
@@ -253,7 +288,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     spec = LaunchSpec(job, model, args.iterations, Path(args.out), backend, entry=args.entry, device=device,
                       check_data=args.check_data, checkpoint_every=args.checkpoint_every,
-                      checkpoint_dir=ckpt_dir, pace_ms=args.pace_ms, store_port=args.store_port)  # fmt: skip
+                      checkpoint_dir=ckpt_dir, pace_ms=args.pace_ms, store_port=args.store_port,
+                      store=parse_store(args.store) if args.store else None)  # fmt: skip
     check_fresh_out(spec.out_dir, spec.checkpoints, spec.checkpoint_every > 0)
     if args.dry_run and args.schedules and args.plan_on_demand:  # a dry run neither plans nor writes
         print(f"schedules: {args.schedules} (planned on demand when the job runs)")
@@ -273,8 +309,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     code = 0
     try:
         launcher.start()
-        assert launcher.store is not None
-        print(f"  store           127.0.0.1:{launcher.store.port}", flush=True)
+        host, port = launcher.store_address
+        external = " (external: the workers reconnect if it is restarted)" if spec.store else ""
+        print(f"  store           {host}:{port}{external}", flush=True)
         if isinstance(publisher, ServicePublisher):
             print(f"service job {publisher.job_id}: page {args.service.rstrip('/')}/jobs/{publisher.job_id}"
                   " (open it with ?token=<controller token>)", flush=True)  # fmt: skip

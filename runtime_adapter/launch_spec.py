@@ -1,8 +1,9 @@
 """What `recycle launch` starts: `LaunchSpec`, pure data, so a dry run can show every worker's command.
 
 Each worker is `python -m runtime_adapter.cli worker ...` with the job spec the launcher writes to
-`<out>/job.json`, the rendezvous store the launcher hosts on 127.0.0.1 (`store_port`, 0: a free
-port) and its schedule source (the schedule file in `<out>`, or the service).
+`<out>/job.json`, the rendezvous store (the one the launcher hosts on 127.0.0.1:`store_port`, 0: a
+free port; or an external one, `store`, e.g. a `recycle store`) and its schedule source (the
+schedule file in `<out>`, or the service).
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ class LaunchSpec:
     checkpoint_dir: Path | None = None  # default: <out_dir>/checkpoints
     pace_ms: float = 0.0
     store_port: int = 0  # the rendezvous store's port; 0: a free one, chosen at start
+    store: tuple[str, int] | None = None  # an external store (host, port); None: the launcher hosts one
+
+    @property
+    def store_host(self) -> str:
+        """The host the workers reach the store at."""
+        return self.store[0] if self.store is not None else "127.0.0.1"
 
     @property
     def checkpoints(self) -> Path:
@@ -69,7 +76,7 @@ class LaunchSpec:
             "--job", str(self.out_dir / "job.json"),
             "--pipeline", str(d), "--stage", str(s),
             *source_args,
-            "--store", f"127.0.0.1:{store_port}",
+            "--store", f"{self.store_host}:{store_port}",
             "--iterations", str(self.num_iterations),
             "--entry", self.entry,
             "--model", json.dumps(self.model),
@@ -97,7 +104,8 @@ class LaunchSpec:
 
     def dry_run(self, store_port: int | None = None, source_args: list[str] | None = None) -> str:
         """One line per worker: its command (store port: `store_port`, else the spec's)."""
-        port = self.store_port if store_port is None else store_port
+        default = self.store[1] if self.store is not None else self.store_port
+        port = default if store_port is None else store_port
         return "\n".join(
             f"{list(w)}: {' '.join(self.command(w, port, source_args=source_args))}" for w in self.workers()
         )

@@ -8,7 +8,9 @@ On every new version (a failure, a re-join, a better plan) each alive worker:
    no micro-batch is lost, none is counted twice, since the batches are a function of the iteration);
 4. if a stage has a fresh re-joiner, its lowest veteran peer broadcasts parameters and optimizer state;
 5. lowers its new order and runs iterations k, k+1, ... until the target, then a final all-reduce
-   (so that nobody leaves while a late failure could still need it to roll back).
+   (so that nobody leaves while a late failure could still need it to roll back); then it saves its
+   parameters and tells the schedule source it is done (with the service: a `done` event, after which
+   its silence is not a failure and the job turns `finished` once every alive worker is done).
 
 A version whose job state is `needs_restore` (a whole stage lost) ends the process with
 EXIT_NEEDS_RESTORE: the launcher restarts every worker with `resume` from the newest complete
@@ -24,13 +26,14 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from runtime_adapter import checkpoint
+from runtime_adapter import checkpoint, store
 from runtime_adapter.accounting import Accounting, acct_path
 from runtime_adapter.assignment import Assignment, Worker
 from runtime_adapter.client import ScheduleClient, ScheduleSource, SourceRejected
@@ -146,13 +149,6 @@ class WorkerProcess:
             on_new=lambda a: self.executor.interrupt(a.version),
             on_error=lambda _: self.executor.interrupt(FRESH),
         )
-        self.store = dist.TCPStore(
-            opts.store_host,
-            opts.store_port,
-            is_master=False,
-            timeout=self.settings.group_timeout,
-            wait_for_workers=False,
-        )
         self.fresh = opts.rejoin
         self.acct = Accounting(acct_path(opts.out_dir, opts.worker), runner.is_last)
         self.reaper = GroupReaper()
@@ -191,9 +187,7 @@ class WorkerProcess:
         if self.opts.resume:
             self.resume()
         if self.opts.standby_key is not None:
-            logger.info("standby: waiting for %s", self.opts.standby_key)
-            self.store.wait([self.opts.standby_key], self.settings.standby_wait)
-            version = int(self.store.get(self.opts.standby_key)) - 1
+            version = self._wait_standby() - 1
         self.client.start()
         while True:
             a = self.client.wait_newer(version, self.settings.version_wait)
@@ -217,7 +211,26 @@ class WorkerProcess:
             except (RuntimeError, dist.DistError) as e:
                 logger.warning("v%d: communication failed (%s); waiting for a new version", a.version, e)
         self._save()
+        self.client.done()  # stop polling; the service must not take the silence for a failure
         return 0
+
+    def _wait_standby(self) -> int:
+        """A warm standby: wait until the launcher sets the standby key (the version to join); the
+        store may die and restart meanwhile (the key is then set on the new one): reconnect."""
+        key, addr = self.opts.standby_key, (self.opts.store_host, self.opts.store_port)
+        assert key is not None
+        logger.info("standby: waiting for %s", key)
+        deadline = time.monotonic() + self.settings.standby_wait.total_seconds()
+        while True:
+            client = store.connect(addr, self.settings.group_timeout, deadline)
+            try:
+                client.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                return int(client.get(key))
+            except RuntimeError as e:  # the store went away (or the wait timed out: then give up)
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"standby: {key} not set within {self.settings.standby_wait}") from e
+                logger.warning("standby: the store went away (%s); reconnecting", str(e).splitlines()[0])
+                time.sleep(0.1)
 
     def _recover(self, a: Assignment) -> None:
         ex = self.executor

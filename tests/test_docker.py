@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from api.cli import add_serve_parser
-from runtime_adapter.cli import add_worker_parser
+from runtime_adapter.cli import add_store_parser, add_worker_parser
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -104,7 +104,10 @@ def test_compose_worker_commands_parse() -> None:
 
 def test_compose_store_and_register_commands() -> None:
     services = compose()["services"]
-    compile(services["store"]["command"][-1], "store", "exec")  # valid Python
+    store = services["store"]["command"]
+    assert store[:4] == ["python", "-m", "runtime_adapter.cli", "store"], store
+    args = subcommand_parser(add_store_parser).parse_args(store[3:])
+    assert (args.host, args.port) == ("0.0.0.0", 29500)
     register = services["register"]["command"]
     assert (ROOT / register[1]).is_file() and (ROOT / register[3]).is_file()
 
