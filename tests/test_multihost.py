@@ -1,0 +1,192 @@
+"""Several hosts on one machine: the planner service and a TCPStore in namespace "ctl", three hosts
+h0, h1, h2 (network namespaces on one bridge, tests/netns.py), each running the two workers of one
+pipeline of a D=3, P=2 job (`recycle worker` processes, no launcher). The service's heartbeat timeout
+is the only failure detector here. Scenarios and timings: bench/multihost.py (`run_scenario`).
+
+Skipped with a one-line reason where `ip netns add` is not permitted (no CAP_NET_ADMIN).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.multihost import SURVIVORS, VICTIMS, MultiHost, Outcome
+from runtime_adapter.accounting import committed
+from runtime_adapter.worker import EXIT_DROPPED
+from tests.jobs import tiny_job
+from tests.netns import Netns, leftovers, namespaces, skip_unless_netns, tail
+from tests.test_runtime_process import assert_exactly_once, assert_matches_reference, records
+
+pytestmark = pytest.mark.timeout(240)  # each test; the whole file takes ~50 s on 2 cores
+
+HEARTBEAT_TIMEOUT_S = 2.0
+ITERATIONS = 30
+# Partition -> every survivor stepped under the new version, at most: the heartbeat timeout, counted
+# from the cut-off workers' last poll (at or before the cut), + the service's check period (0.2 s)
+# + the event and its publication (a precomputed plan: milliseconds) + the survivors' recovery (new
+# groups, agreement, rollback: 0.13-0.19 s measured on loopback in docs/runtime.md; allow 0.6 s on 2
+# loaded cores) + one iteration of the tiny model (under 0.3 s with 4 workers on 2 cores) + this
+# test's polling (10 ms files, 50 ms job state) = timeout + 1.5 s. Issue 9's target, timeout + 1 s,
+# is for "running the new version" (`running_s`, reported by bench/multihost.py).
+PARTITION_MARGIN_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiHost]:
+    skip_unless_netns()
+    with MultiHost(tmp_path_factory.mktemp("multihost"), heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as mh:
+        pid = mh.net.pid
+        yield mh
+    assert leftovers(pid) == [], "namespaces left behind"
+
+
+def run(cluster: MultiHost, scenario: str, out: Path) -> Outcome:
+    """Run a scenario; on any failure print the tails of every log, then fail."""
+    try:
+        return cluster.run_scenario(scenario, out, ITERATIONS)
+    except BaseException:
+        dump_logs(cluster, out)
+        raise
+
+
+def dump_logs(cluster: MultiHost, out: Path) -> None:
+    for path in cluster.logs(out):
+        print(f"----- {path.name} (last lines) -----\n{tail(path)}")
+
+
+def survivors_never_restarted(out: Path) -> None:
+    """One process per survivor, trained to the end: one `done`, no `resume`, no `rejoin`."""
+    for w in SURVIVORS:
+        events = [r["event"] for r in records(out, w)]
+        assert events.count("done") == 1, (w, events)
+        assert "resume" not in events and "rejoin" not in events, (w, events)
+
+
+def job_ended_cleanly(o: Outcome) -> None:
+    """With heartbeats on to the end (a service with the `finished` state), the job is finished with
+    exactly h2's workers failed: the survivors' silence after they completed was no failure."""
+    if o.heartbeat_kept:
+        assert (o.final_state, o.final_failed) == ("finished", [list(w) for w in VICTIMS]), o
+
+
+def test_harness_isolates_and_cleans_up() -> None:
+    """Two namespaces on a bridge: they talk, the root namespace has no new interface or address, a
+    downed link drops packets silently (a connect times out instead of being refused), `link_up`
+    heals it, and nothing is left after `close()`."""
+    skip_unless_netns()
+    links_before = root_links()
+    with Netns(["a", "b"]) as net:
+        server = net.popen("b", [sys.executable, "-c", ECHO, net.addr("b")])
+        assert net.call("a", connect, net.addr("b"), 5.0) == "ok"  # the server is up, b reachable from a
+        assert root_links() == links_before, "an interface appeared in the root namespace"
+        addrs = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, check=True).stdout
+        assert f"{net.subnet}." not in addrs, "an address of the harness in the root namespace"
+        net.link_down("b")
+        assert net.call("a", connect, net.addr("b"), 1.0) == "timeout"  # silent: no refusal, no reset
+        assert server.poll() is None  # no process noticed anything
+        net.link_up("b")
+        assert net.call("a", connect, net.addr("b"), 5.0) == "ok"
+        net.kill("b")
+        assert server.wait(timeout=5) == -9
+        names = [net.ns("a"), net.ns("b"), net.bridge]
+    assert leftovers(net.pid) == [] and not set(names) & set(namespaces())
+
+
+def root_links() -> set[str]:
+    """The interface names of the root namespace."""
+    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
+
+
+ECHO = (
+    "import socket, sys\n"
+    "s = socket.create_server((sys.argv[1], 7000))\n"
+    "while True:\n"
+    "    c, _ = s.accept(); c.sendall(b'ok'); c.close()\n"
+)
+
+
+def connect(host: str, timeout_s: float) -> str:
+    """Connect to host:7000 and read its greeting; 'timeout' or the error's name when that fails."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, 7000), timeout=max(0.05, deadline - time.monotonic())) as c:
+                return c.recv(16).decode()
+        except TimeoutError:
+            return "timeout"
+        except ConnectionRefusedError:  # the server is still starting
+            if time.monotonic() > deadline:
+                return "refused"
+            time.sleep(0.05)
+        except OSError as e:
+            return type(e).__name__
+
+
+def test_host_crash_survivors_keep_training(cluster: MultiHost, tmp_path: Path) -> None:
+    """kill -9 of both workers of h2 after 3 iterations: the service's heartbeat timeout declares them
+    failed, the survivors on h0 and h1 re-route without a restart and end with the parameters of
+    single-process training; every micro-batch counted once."""
+    o = run(cluster, "crash", tmp_path)
+    job = tiny_job(3, 2)
+    try:
+        assert all(o.code(w) == -9 for w in VICTIMS), o.codes
+        assert all(o.code(w) == 0 for w in SURVIVORS), o.codes
+        assert sorted(o.failed_at_detection) == [list(w) for w in VICTIMS], o.failed_at_detection
+        assert o.detect_s < HEARTBEAT_TIMEOUT_S + 10, f"detected after {o.detect_s:.1f} s"
+        survivors_never_restarted(tmp_path)
+        job_ended_cleanly(o)
+        assert_exactly_once(tmp_path, job, ITERATIONS)
+        assert_matches_reference(tmp_path, job, ITERATIONS, SURVIVORS)
+    except BaseException:
+        dump_logs(cluster, tmp_path)
+        raise
+    print(f"host crash: detected {o.detect_s:.2f} s, survivors running v{o.fault_version} "
+          f"{o.running_s:.2f} s, first step {o.step_s:.2f} s after the kill")  # fmt: skip
+
+
+def test_partition_survivors_continue_and_cut_off_workers_leave(cluster: MultiHost, tmp_path: Path) -> None:
+    """h2's link goes down mid-run (no process dies): the survivors continue under a version without
+    h2 and end with the failure-free parameters; when the link comes back, the cut-off workers find
+    themselves failed in the new schedule and exit with EXIT_DROPPED; nothing they did after the cut
+    counts. Last, the time from the cut to the survivors' first step under the new version."""
+    o = run(cluster, "partition", tmp_path)
+    job = tiny_job(3, 2)
+    try:
+        assert all(o.code(w) == 0 for w in SURVIVORS), o.codes
+        assert all(o.code(w) == EXIT_DROPPED for w in VICTIMS), o.codes
+        assert sorted(o.failed_at_detection) == [list(w) for w in VICTIMS], o.failed_at_detection
+        survivors_never_restarted(tmp_path)
+        job_ended_cleanly(o)
+        for w in VICTIMS:
+            log = tmp_path / f"worker_{w[0]}_{w[1]}.log"
+            text = log.read_text()
+            assert "lists this worker as failed: leaving" in text and "Traceback" not in text, tail(log)
+            assert all(r.get("version", 0) < o.fault_version for r in records(tmp_path, w))
+        # The survivors replayed from iteration k under the new version: from k on, only records of
+        # that version or newer count, none of the cut-off workers' (which never ran it).
+        k = min(o.resumed_from.values())
+        for (_, it), recs in committed(tmp_path, job.num_pipelines, job.num_stages).items():
+            if it >= k:
+                assert all(r["version"] >= o.fault_version for r in recs), (it, recs)
+        assert_exactly_once(tmp_path, job, ITERATIONS)
+        assert_matches_reference(tmp_path, job, ITERATIONS, SURVIVORS)
+    except BaseException:
+        dump_logs(cluster, tmp_path)
+        raise
+    print(f"partition: detected {o.detect_s:.2f} s, survivors running v{o.fault_version} "
+          f"{o.running_s:.2f} s, first step {o.step_s:.2f} s after the cut; cut-off workers exited "
+          f"{o.cutoff_exit_s:.2f} s after the link came back")  # fmt: skip
+    limit = HEARTBEAT_TIMEOUT_S + PARTITION_MARGIN_S
+    assert o.step_s < limit, (
+        f"partition to every survivor stepping under the new version took {o.step_s:.1f} s "
+        f"(heartbeat timeout {HEARTBEAT_TIMEOUT_S:g} s + {PARTITION_MARGIN_S:g} s = {limit:g} s)"
+    )
