@@ -10,7 +10,7 @@ What is different from gloo (comm.py keeps the calls the same):
   the group, the stuck kernels exit, the watchdog thread ends) before their references are dropped,
   as torchft's `ProcessGroupWrapper.abort` does (torchft/process_group.py).
 * Communicators are created non-blocking (`config.blocking = 0`, as torchft's `ProcessGroupNCCL`)
-  and eagerly, on the connect thread of `comm.connect_groups` (which a new version can abandon),
+  and eagerly, on the connect thread of `rendezvous.connect_groups` (which a new version can abandon),
   not lazily in the first operation of the training thread. Only the stage group (the gradient
   all-reduce, state broadcast) is NCCL: point-to-point stays on the gloo world group (comm.py),
   because NCCL runs send/recv in issue order and matches them without tags.

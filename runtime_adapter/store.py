@@ -6,7 +6,7 @@ itself to H:P (only that address: the store has no authentication) until SIGTERM
 store holds nothing that outlives a rendezvous: each schedule version's groups live under their own
 prefix (`recycle/v<version>/<attempt>`, comm.py) and once connected they never use the store again.
 So a store that dies only delays the next rendezvous: restart an empty one on the same address and
-the next version's groups are built there (`comm.connect_groups` waits for it, within the group
+the next version's groups are built there (`rendezvous.connect_groups` waits for it, within the group
 timeout, and a rendezvous the death interrupted is started again by every member).
 
 Clients: `connect` waits (a plain TCP probe with jittered backoff, so a dead store does not fill the

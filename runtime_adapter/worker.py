@@ -43,12 +43,12 @@ from runtime_adapter.comm import (
     Interrupted,
     allreduce_min,
     broadcast_bytes,
-    connect_groups,
 )
 from runtime_adapter.devices import activate, resolve_device, wire_device
 from runtime_adapter.entry import DEFAULT_ENTRY, load_entry
 from runtime_adapter.executor import Executor
 from runtime_adapter.lowering import Instr
+from runtime_adapter.rendezvous import connect_groups
 from runtime_adapter.settings import runtime_settings
 from runtime_adapter.stage import StageRunner, check_training
 

@@ -29,9 +29,9 @@ from runtime_adapter.comm import (
     allreduce_min,
     broadcast_bytes,
     build_groups,
-    connect_groups,
 )
 from runtime_adapter.devices import choose_backend, resolve_device, wire_device
+from runtime_adapter.rendezvous import connect_groups
 
 pytestmark = pytest.mark.timeout(60)
 
