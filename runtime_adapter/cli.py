@@ -55,6 +55,11 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--job-id")
     p.add_argument("--token")
     p.add_argument("--store", required=True, help="host:port of the rendezvous TCPStore")
+    p.add_argument(
+        "--run-id",
+        help="namespace of this run's store keys (default: the service job id; the launcher passes its own), "
+        "so that jobs or relaunches sharing a long-lived store never meet",
+    )
     p.add_argument("--iterations", type=int, required=True)
     add_model_args(p)
     p.add_argument("--out", required=True, help="directory for final parameters and accounting")
@@ -101,6 +106,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         entry=args.entry,
         device=args.device,
         check_data=args.check_data,
+        run_id=args.run_id or args.job_id or "",
         store_host=host,
         store_port=port,
         out_dir=Path(args.out),

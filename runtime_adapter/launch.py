@@ -199,7 +199,7 @@ class Launcher:
         """Start a warm replacement for `w` now (import, store connection); `activate` makes it join.
         `fail_at` counts iterations from the one it joins at."""
         self.num_standbys += 1
-        key = f"recycle/activate/{w[0]}.{w[1]}.{self.num_standbys}"
+        key = f"recycle/{self.spec.run_id}/activate/{w[0]}.{w[1]}.{self.num_standbys}"
         self.standbys.setdefault(w, []).append((key, self._spawn(w, True, key, fail_at)))
 
     def activate(self, w: Worker) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ class LaunchSpec:
     pace_ms: float = 0.0
     store_port: int = 0  # the rendezvous store's port; 0: a free one, chosen at start
     store: tuple[str, int] | None = None  # an external store (host, port); None: the launcher hosts one
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # namespace of the store keys
 
     @property
     def store_host(self) -> str:
@@ -77,6 +79,7 @@ class LaunchSpec:
             "--pipeline", str(d), "--stage", str(s),
             *source_args,
             "--store", f"{self.store_host}:{store_port}",
+            "--run-id", self.run_id,
             "--iterations", str(self.num_iterations),
             "--entry", self.entry,
             "--model", json.dumps(self.model),

@@ -45,6 +45,7 @@ def connect_groups(
     reaper: GroupReaper,
     superseded: Callable[[], bool],
     device: torch.device | None = None,
+    run: str = "",
 ) -> Groups:
     """Build the groups of version `a` in a helper thread, giving up (Interrupted) as soon as
     `superseded()` (a newer version arrived): a member that skipped this version would otherwise keep
@@ -57,7 +58,8 @@ def connect_groups(
 
     def target() -> None:
         try:
-            groups = _rendezvous(store_addr, a, interrupted, backend, timeout, reaper, device, stop)
+            root = f"recycle/{run}" if run else "recycle"
+            groups = _rendezvous(store_addr, a, interrupted, backend, timeout, reaper, device, stop, root)
         except BaseException as e:
             box["error"] = e
             done.set()
@@ -89,17 +91,18 @@ class RendezvousError(RuntimeError):
 ATTEMPT_POLL_S = (0.1, 1.0)  # a member that built its groups checks the attempt key: first, at most
 
 
-def attempt_key(version: int) -> str:
-    """The store key holding the token of version `version`'s current rendezvous attempt."""
-    return f"recycle/v{version}/attempt"
+def attempt_key(version: int, root: str = "recycle") -> str:
+    """The store key holding the token of version `version`'s current rendezvous attempt (`root`:
+    `recycle/<run id>`, so that jobs and runs sharing a long-lived store never meet)."""
+    return f"{root}/v{version}/attempt"
 
 
-def current_attempt(store: dist.Store, version: int, failed: str | None = None) -> str:
+def current_attempt(store: dist.Store, version: int, failed: str | None = None, root: str = "recycle") -> str:
     """The token of `version`'s current rendezvous attempt; first retires `failed` (an attempt this
     member saw fail) if it is still current. compare_set makes every member agree: the first caller
     creates the token, the first one to retire an attempt names its successor, and a restarted, empty
     store gets a new token (no attempt of the old store is ever current on it)."""
-    key, mine = attempt_key(version), uuid.uuid4().hex[:12]
+    key, mine = attempt_key(version, root), uuid.uuid4().hex[:12]
     if failed is not None:
         token = store.compare_set(key, failed, mine).decode()
         if token != failed:  # replaced now, by us or by someone before us
@@ -117,6 +120,7 @@ def _rendezvous(
     reaper: GroupReaper,
     device: torch.device | None,
     stop: threading.Event,
+    root: str = "recycle",
 ) -> Groups:
     """Version `a`'s groups, built under `recycle/v<version>/<attempt token>` and committed (every
     member built them). An attempt fails when the store dies during it (or any member's build fails):
@@ -141,10 +145,12 @@ def _rendezvous(
             # A store client of its own per attempt: an abandoned attempt may still block in a store
             # wait, one client serializes its requests, and a client of a store that died is dead.
             store = store_connect(store_addr, timeout, deadline, stop)
-            token = current_attempt(store, a.version, failed)
-            prefix = f"recycle/v{a.version}/{token}"
+            token = current_attempt(store, a.version, failed, root)
+            prefix = f"{root}/v{a.version}/{token}"
             groups = reaper.track(build_groups(store, a, interrupted, backend, timeout, device, prefix))
-            if _commit(groups, store, store_addr, a.version, token, timeout, deadline, stop):
+            if _commit(
+                groups, store, store_addr, attempt_key(a.version, root), token, timeout, deadline, stop
+            ):
                 if attempt:
                     logger.info("groups of v%d built at attempt %d (%s)", a.version, attempt + 1, token)
                 return groups
@@ -170,7 +176,7 @@ def _commit(
     groups: Groups,
     store: dist.Store,
     store_addr: tuple[str, int],
-    version: int,
+    key: str,
     token: str,
     timeout: timedelta,
     deadline: float,
@@ -187,16 +193,16 @@ def _commit(
     client: dist.Store | None = store
     while not work.is_completed():
         if stop.is_set():
-            raise Interrupted(f"gave up the rendezvous of v{version}")
+            raise Interrupted(f"gave up the rendezvous of {key}")
         now = time.monotonic()
         if now >= deadline:
-            raise RendezvousError(f"groups of v{version}: not every member built them in time")
+            raise RendezvousError(f"groups of {key}: not every member built them in time")
         if now >= next_check:
             if client is None:
                 client = store_try_connect(store_addr, min(timeout, timedelta(seconds=5)))
             if client is not None:
                 try:
-                    if client.compare_set(attempt_key(version), token, token).decode() != token:
+                    if client.compare_set(key, token, token).decode() != token:
                         return False
                 except RuntimeError:
                     client = None  # the store died: look for the restarted one next time
@@ -206,6 +212,6 @@ def _commit(
     try:
         work.wait()
     except RuntimeError as e:
-        logger.info("v%d: commit of attempt %s failed: %s", version, token, str(e).splitlines()[0])
+        logger.info("%s: commit of attempt %s failed: %s", key, token, str(e).splitlines()[0])
         return False
     return True

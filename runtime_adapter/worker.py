@@ -79,6 +79,7 @@ class WorkerOptions:
     entry: str = DEFAULT_ENTRY  # package.module:function returning the Training
     device: str = "cpu"  # cpu, cuda, cuda:N (devices.resolve_device)
     check_data: bool = False  # read every micro-batch twice and compare
+    run_id: str = ""  # store keys live under recycle/<run_id>/: runs sharing a store never meet
     rejoin: bool = False
     fail_at: tuple[int, str] | None = None
     standby_key: str | None = None
@@ -294,6 +295,7 @@ class WorkerProcess:
             self.reaper,
             superseded,
             device=self.wire,
+            run=o.run_id,
         )
 
     def _train(self, a: Assignment) -> None:

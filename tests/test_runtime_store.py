@@ -144,7 +144,7 @@ def peer(d: int, version: int) -> Assignment:
 
 
 def connect_in_threads(port: int, version: int, reaper: GroupReaper, delays: tuple[float, float] = (0, 0),
-                       between: Callable[[], None] | None = None) -> list[Any]:  # fmt: skip
+                       between: Callable[[], None] | None = None, run_id: str = "") -> list[Any]:  # fmt: skip
     """connect_groups for both members (member 1 starts `delays[1]` s later, after `between()`); their
     groups and the result of an all-reduce over them."""
     results: list[Any] = [None, None]
@@ -153,7 +153,7 @@ def connect_in_threads(port: int, version: int, reaper: GroupReaper, delays: tup
     def run(d: int) -> None:
         try:
             g = connect_groups(("127.0.0.1", port), peer(d, version), threading.Event(), "gloo", TIMEOUT,
-                               reaper, lambda: False)  # fmt: skip
+                               reaper, lambda: False, run=run_id)  # fmt: skip
             results[d] = (g, allreduce_min(g, [10 + d]), allreduce_min(g, [5 - d], on_stage=True))
         except BaseException as e:
             errors.append(e)
@@ -172,10 +172,26 @@ def connect_in_threads(port: int, version: int, reaper: GroupReaper, delays: tup
     return [r[0] for r in results]
 
 
-def token_on(port: int, version: int) -> str | None:
+def token_on(port: int, version: int, root: str = "recycle") -> str | None:
     client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=TIMEOUT)
-    key = attempt_key(version)
+    key = attempt_key(version, root)
     return client.get(key).decode() if client.check([key]) else None
+
+
+@pytest.mark.timeout(60)
+def test_two_runs_on_one_long_lived_store_never_meet(store: list[Any]) -> None:
+    """A second job (or a relaunch) on a store that outlived the first one builds its version-1 groups
+    at once: its keys live under recycle/<run id>/, so the first run's token and gloo addresses for
+    v1 (whose groups are gone) are never read."""
+    reaper = GroupReaper()
+    for run in ("first-run", "second-run"):
+        t0 = time.monotonic()
+        for g in connect_in_threads(store[1], 1, reaper, run_id=run):
+            reaper.retire(g)
+        assert reaper.drain(30) and time.monotonic() - t0 < 10, run
+    client = dist.TCPStore("127.0.0.1", store[1], is_master=False, wait_for_workers=False, timeout=TIMEOUT)
+    keys = [attempt_key(1, f"recycle/{run}") for run in ("first-run", "second-run")] + [attempt_key(1)]
+    assert [client.check([k]) for k in keys] == [True, True, False]  # two tokens, none shared
 
 
 @pytest.mark.timeout(60)
@@ -280,22 +296,31 @@ def test_kill_the_store_mid_run_restart_it_then_kill_a_worker(store: list[Any], 
 
     launcher.add_standby(victim)  # waits on the store, which dies under it: it must reconnect
     supervise_until(launcher, lambda: steps() >= 2, "2 steps")
-    time.sleep(3)  # let the standby connect and wait (importing torch takes a few seconds)
+    standby_log = out / "worker_1_1_standby1.log"
+
+    def standby_says(text: str) -> bool:
+        return standby_log.exists() and text in standby_log.read_text(errors="replace")
+
+    supervise_until(
+        launcher, lambda: standby_says("standby: waiting for"), "the standby waiting on the store"
+    )
     kill(store[0])
     down = steps()
     supervise_until(launcher, lambda: steps() >= down + 2, "2 steps with the store down")
     store[0] = start_store(store[1])[0]
-    assert token_on(store[1], 1) is None  # an empty store: v1's rendezvous was on the dead one
+    root = f"recycle/{spec.run_id}"  # the launcher's namespace of store keys
+    assert token_on(store[1], 1, root) is None  # an empty store: v1's rendezvous was on the dead one
     assert steps() < n - 16, "the run is nearly over: pace it slower"
     launcher.kill(victim)
     supervise_until(launcher, lambda: victim in launcher.failed and launcher.version == 2, "the failure")
     supervise_until(launcher, lambda: steps(survivors, 2) >= 1, "survivors stepping under v2")
-    assert token_on(store[1], 2) is not None  # v2's groups were built on the restarted store
+    assert token_on(store[1], 2, root) is not None  # v2's groups were built on the restarted store
     launcher.activate(victim)
     assert launcher.version == 3
     codes = launcher.wait(timedelta(seconds=90))
     assert all(rc == 0 for rc in codes.values()), codes
     assert steps([victim], 3) >= 1  # the standby trained under the rejoin version
+    assert standby_says("the store went away"), "the standby never lost its store: nothing was tested"
     for w in survivors:  # never restarted; versions only grow; the store's death replayed nothing
         recs = records(out, w)
         assert sum(1 for r in recs if r["event"] == "done") == 1
