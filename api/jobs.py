@@ -342,6 +342,7 @@ class JobService:
         done = {w for w in (rt.done if done is None else done) if w not in failed}
         if lost_stages:
             state = "needs_restore"
+            done = set()  # a restore restarts every worker: each reports done again when it finishes
         else:
             state = "finished" if all_done(rt.job, failed, done) else "running"
         done_json = [list(w) for w in sorted(done)]

@@ -31,9 +31,12 @@ ITERATIONS = 30
 # + the event and its publication (a precomputed plan: milliseconds) + the survivors' recovery (new
 # groups, agreement, rollback: 0.13-0.19 s measured on loopback in docs/runtime.md; allow 0.6 s on 2
 # loaded cores) + one iteration of the tiny model (under 0.3 s with 4 workers on 2 cores) + this
-# test's polling (10 ms files, 50 ms job state) = timeout + 1.5 s. Issue 9's target, timeout + 1 s,
-# is for "running the new version" (`running_s`, reported by bench/multihost.py).
-PARTITION_MARGIN_S = 1.5
+# test's polling (10 ms files, 50 ms job state) = timeout + 1.5 s; doubled to 3 s so that a plan
+# still being precomputed or a loaded CI machine cannot fail it, while the old behaviour (a parked
+# long-poll kept a cut-off worker alive until its 30 s wait ended: ~28 s) still does. Issue 9's
+# target, timeout + 1 s, is for "running the new version" (`running_s`, reported by
+# bench/multihost.py, which is where the target is checked).
+PARTITION_MARGIN_S = 3.0
 
 
 @pytest.fixture(scope="module")
