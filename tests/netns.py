@@ -42,6 +42,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -228,18 +229,20 @@ class Netns:
         namespaces. Idempotent; Ctrl-C during it is held until it is done."""
         if self._closed:
             return
-        self._closed = True
         previous = None
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
+        try:  # every step best effort: one that fails (an `ip` timeout) must not skip the others
             for procs in self.procs.values():
                 for p in procs:
-                    _kill_group(p)
+                    if p.poll() is None:  # a reaped leader's pid may belong to someone else by now
+                        _best_effort(_kill_group, p)
             for pool in self._threads.values():
-                pool.shutdown(wait=True, cancel_futures=True)
+                _best_effort(pool.shutdown, wait=True, cancel_futures=True)
             for ns in reversed(self._created):  # the hosts first (their veths go with them), the bridge last
-                ip("netns", "delete", ns, check=False)
+                _best_effort(_kill_inside, ns)  # what is left inside (`ip netns delete` only unmounts)
+                _best_effort(ip, "netns", "delete", ns, check=False)
+            self._closed = True
             atexit.unregister(self.close)
         finally:
             if previous is not None:
@@ -320,6 +323,21 @@ class Netns:
                                           initargs=(path,))  # fmt: skip
                 self._threads[name] = pool
         return pool.submit(fn, *args, **kwargs).result()
+
+
+def _best_effort(fn: Any, *args: Any, **kwargs: Any) -> None:
+    """Run one clean-up step; report (never raise) what went wrong."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:
+        print(f"netns clean-up: {getattr(fn, '__name__', fn)}{args}: {e}", file=sys.stderr)
+
+
+def _kill_inside(ns: str) -> None:
+    """SIGKILL every process still in namespace `ns` (`ip netns pids`)."""
+    for pid in ip("netns", "pids", ns, check=False).stdout.split():
+        with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
 
 
 def _kill_group(p: subprocess.Popen[bytes]) -> None:
