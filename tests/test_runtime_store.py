@@ -38,6 +38,7 @@ from tests.test_runtime_process import (
     planner_schedules,
     records,
 )
+from tests.test_runtime_service import supervise_until
 
 TIMEOUT = timedelta(seconds=20)
 STORE = [sys.executable, "-m", "planner.cli", "store", "--host", "127.0.0.1"]  # = `recycle store`
@@ -265,16 +266,6 @@ def test_the_launchers_client_reconnects_after_a_store_restart(store: list[Any])
 
 def step_records(out: Path, w: Worker) -> list[dict[str, Any]]:
     return [r for r in records(out, w) if r["event"] == "step"]
-
-
-def supervise_until(launcher: Launcher, done: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        launcher.poll()
-        if time.monotonic() > deadline:
-            launcher.terminate()
-            pytest.fail(f"timed out waiting for: {what}")
-        time.sleep(0.02)
 
 
 @pytest.mark.timeout(120)
