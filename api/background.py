@@ -117,7 +117,7 @@ async def heartbeat_loop(service: JobService) -> None:
             service.metrics.heartbeat_failures.inc(len(silent))
             log.warning("job %s: workers %s silent, declaring them failed", rt.record.id, silent)
             try:
-                await service.apply_event(rt.record.id, event)
+                await service.apply_event(rt.record.id, event, still_silent=True)
             except Exception:
                 log.exception("job %s: heartbeat failure event failed", rt.record.id)
         delay = max(MIN_CHECK_S, delay - (time.monotonic() - now))

@@ -211,49 +211,68 @@ class JobService:
         rt.changed.set()
         rt.changed = asyncio.Event()
 
-    async def apply_event(self, job_id: str, event: EventIn) -> tuple[dict[str, object], list[int]]:
+    async def apply_event(
+        self, job_id: str, event: EventIn, still_silent: bool = False
+    ) -> tuple[dict[str, object], list[int]]:
         """Apply `event` once; a replay returns the first answer. Returns (result, unrecoverable stages).
 
         A finished job takes no event (JobFinishedError) except a replay, or a `done` of workers that
-        are done already (answered as a no-op, so a worker that retries gets the same answer)."""
+        are done already (answered as a no-op, so a worker that retries gets the same answer).
+        `still_silent` (the heartbeat loop's `fail`, decided before taking the lock): workers that
+        reported `done` or polled again meanwhile are left out."""
         rt = self.get(job_id)
-        body = event.model_dump_json()
         async with rt.lock:
-            old = self.store.get_event(job_id, event.event_id)
-            if old is not None:
-                if old.body_json != body:
-                    raise EventConflictError(f"event_id {event.event_id!r} was used before with another body")
-                result = json.loads(old.result_json)
-                result["replayed"] = True
-                return result, list(result.get("unrecoverable_stages", []))
-            scenario = apply_change(rt.scenario, event, rt.job)
-            rec = EventRecord(job_id, event.event_id, time.time_ns(), body, 200, "", time.time())
-            targets = {(int(d), int(s)) for d, s in event.workers}
-            if rt.record.state == "finished" and not (event.kind == "done" and targets <= rt.done):
-                raise JobFinishedError(
-                    f"job {job_id} is finished (every alive worker reported done): it takes no more events"
-                )
-            if event.kind == "done":
-                self._done(rt, targets, rec)
-                return json.loads(rec.result_json), []
-            if scenario == rt.scenario:
-                result = self._result(rt, event.event_id, rt.version, changed=False)
-                rec.status_code = 409 if rt.record.unrecoverable_stages else 200
-                rec.result_json = json.dumps(result)
-                self.store.apply(job_id, {}, event=rec)
-                return result, list(rt.record.unrecoverable_stages)
-            try:
-                scenario.check_against(rt.job)
-            except UnrecoverableScenarioError as exc:
-                assert rt.view is not None
-                rec.status_code = 409
-                prev = rt.view.schedule
-                itime = prev["iteration_time_ms"]
-                prev_json = pydantic_core.to_json(prev).decode()
-                self._commit_version(rt, scenario, exc.stages, prev_json, "needs_restore", itime, rec, prev)
-                return json.loads(rec.result_json), exc.stages
-            await self._install(rt, scenario, event=rec)
+            if still_silent:
+                silent = [
+                    w
+                    for w in event.workers
+                    if (w[0], w[1]) not in rt.done and (w[0], w[1]) not in rt.last_seen
+                ]
+                if not silent:
+                    return self._result(rt, event.event_id, rt.version, changed=False), []
+                event = event.model_copy(update={"workers": silent})
+            return await self._apply_locked(rt, job_id, event)
+
+    async def _apply_locked(
+        self, rt: JobRuntime, job_id: str, event: EventIn
+    ) -> tuple[dict[str, object], list[int]]:
+        """apply_event with the job's lock held."""
+        body = event.model_dump_json()
+        old = self.store.get_event(job_id, event.event_id)
+        if old is not None:
+            if old.body_json != body:
+                raise EventConflictError(f"event_id {event.event_id!r} was used before with another body")
+            result = json.loads(old.result_json)
+            result["replayed"] = True
+            return result, list(result.get("unrecoverable_stages", []))
+        scenario = apply_change(rt.scenario, event, rt.job)
+        rec = EventRecord(job_id, event.event_id, time.time_ns(), body, 200, "", time.time())
+        targets = {(int(d), int(s)) for d, s in event.workers}
+        if rt.record.state == "finished" and not (event.kind == "done" and targets <= rt.done):
+            raise JobFinishedError(
+                f"job {job_id} is finished (every alive worker reported done): it takes no more events"
+            )
+        if event.kind == "done":
+            self._done(rt, targets, rec)
             return json.loads(rec.result_json), []
+        if scenario == rt.scenario:
+            result = self._result(rt, event.event_id, rt.version, changed=False)
+            rec.status_code = 409 if rt.record.unrecoverable_stages else 200
+            rec.result_json = json.dumps(result)
+            self.store.apply(job_id, {}, event=rec)
+            return result, list(rt.record.unrecoverable_stages)
+        try:
+            scenario.check_against(rt.job)
+        except UnrecoverableScenarioError as exc:
+            assert rt.view is not None
+            rec.status_code = 409
+            prev = rt.view.schedule
+            itime = prev["iteration_time_ms"]
+            prev_json = pydantic_core.to_json(prev).decode()
+            self._commit_version(rt, scenario, exc.stages, prev_json, "needs_restore", itime, rec, prev)
+            return json.loads(rec.result_json), exc.stages
+        await self._install(rt, scenario, event=rec)
+        return json.loads(rec.result_json), []
 
     def _done(self, rt: JobRuntime, targets: set[Worker], rec: EventRecord) -> None:
         """Record `targets` as done (lock held): no longer tracked by heartbeats; when every alive

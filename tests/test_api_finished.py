@@ -130,3 +130,28 @@ def test_heartbeat_poll_wait_is_capped_at_a_third_of_the_timeout(client: TestCli
         client.get(f"/v1/jobs/{job_id}/schedule?worker=0,1", headers=worker)
     time.sleep(TIMEOUT_S * 2)
     assert client.get(f"/v1/jobs/{job_id}", headers=CTL).json()["failed"] == []
+
+
+def test_a_heartbeat_fail_decided_before_a_done_or_a_poll_fails_nobody(client: TestClient) -> None:
+    """The heartbeat loop picks its silent workers without the job's lock; a `done` (or a poll) that
+    lands before its `fail` is applied takes the worker out of it: a completed worker is never failed."""
+    from api.models import EventIn
+
+    job_id, worker = new_job(client)
+    for w in ([0, 0], [1, 0]):
+        assert (
+            client.get(f"/v1/jobs/{job_id}/schedule?worker={w[0]},{w[1]}", headers=worker).status_code == 200
+        )
+    assert done(client, job_id, worker, "done-0", [0, 0]).status_code == 200
+    service = client.app.state.service  # type: ignore[attr-defined]
+    before = client.get(f"/v1/jobs/{job_id}", headers=CTL).json()["version"]
+
+    async def late_fail() -> tuple[dict[str, object], list[int]]:
+        event = EventIn(
+            event_id="heartbeat-late", kind="fail", workers=[[0, 0], [1, 0]], reason="heartbeat timeout"
+        )
+        return await service.apply_event(job_id, event, still_silent=True)
+
+    result, _ = client.portal.call(late_fail)  # type: ignore[union-attr]
+    doc = client.get(f"/v1/jobs/{job_id}", headers=CTL).json()
+    assert doc["failed"] == [] and result["changed"] is False and doc["version"] == before, (doc, result)
