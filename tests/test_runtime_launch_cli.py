@@ -30,6 +30,12 @@ if mode == "bad-config":
     print('  File "model.py", line 90, in stage_layers')
     print("ValueError: need at least one block per stage: 1 blocks for 2 stages")
     sys.exit(1)
+if mode == "lose-stage-1" and s == 1:  # die only after this pipeline's stage 0 wrote its steps
+    first = os.path.join(out, f"acct_{d}_0.jsonl")
+    for _ in range(2000):
+        if os.path.exists(first) and open(first).read().count("\\n") >= 3:
+            break
+        time.sleep(0.01)
 with open(os.path.join(out, f"acct_{d}_{s}.jsonl"), "a") as f:
     for it in range(3):
         rec = {"event": "step", "it": it, "version": 1}
