@@ -175,6 +175,10 @@ def gpt_training(
         raise ValueError(f"optimizer must be 'sgd' or 'adamw', not {optimizer!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be a whole number of iterations >= 0, not {warmup!r}")
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, int | float) or not 0 < lr < 1e6):
+        raise ValueError(f"lr must be a positive finite number (below 1e6), not {lr!r}")
+    if not isinstance(exact_sums, bool):
+        raise ValueError(f"exact_sums must be true or false, not {exact_sums!r}")
     rate = lr if lr is not None else (0.05 if optimizer == "sgd" else 1e-3)
 
     def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -192,7 +196,7 @@ def gpt_training(
         clip=GradClip(clip, clip_scope) if clip is not None else None,
         seed=cfg.seed,
         activation_shape=(cfg.microbatch_size, cfg.seq_len, cfg.hidden),
-        exact_sums=bool(exact_sums),
+        exact_sums=exact_sums,
     )
 
 

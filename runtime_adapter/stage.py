@@ -76,6 +76,12 @@ def check_training(
                 f"the model cannot be split into {num_stages} stages (stage {s} does not build on the meta "
                 f"device): {type(e).__name__}: {e}"
             ) from e
+        try:  # the optimizer too: a bad learning rate is bad input, not a worker's start-up crash
+            training.optimizer([p for p in module.parameters() if p.requires_grad])
+        except Exception as e:
+            raise InvalidInputError(
+                f"optimizer(stage {s}'s parameters) failed: {type(e).__name__}: {e}"
+            ) from e
         if running_stats(module):
             raise InvalidInputError(
                 f"stage {s} has {running_stats(module)}, whose running statistics change in forward: a "

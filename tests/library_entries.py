@@ -56,3 +56,8 @@ def drifting(**kwargs: Any) -> Training:
         return (tokens + calls[0]) % 64 if iteration > 0 else tokens, targets
 
     return dataclasses.replace(base, data=data)
+
+
+def bad_optimizer(**kwargs: Any) -> Training:
+    """The reference GPT whose optimizer factory refuses its learning rate (torch raises)."""
+    return dataclasses.replace(gpt(**kwargs), optimizer=lambda params: torch.optim.SGD(params, lr=-1.0))

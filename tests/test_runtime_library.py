@@ -45,6 +45,9 @@ CPU = torch.device("cpu")
         ("tests.library_entries:broken", {}, "RuntimeError: the user's entry is broken"),
         ("runtime_adapter.model:training", {"hiden": 3}, "hiden"),
         ("runtime_adapter.model:training", {"optimizer": "lamb"}, "optimizer must be"),
+        ("runtime_adapter.model:training", {"lr": float("nan")}, "lr must be a positive finite number"),
+        ("runtime_adapter.model:training", {"lr": 1e308}, "lr must be a positive finite number"),
+        ("runtime_adapter.model:training", {"exact_sums": "no"}, "exact_sums must be true or false"),
     ],
 )
 def test_entry_errors_are_one_line(entry: str, kwargs: dict, says: str) -> None:
@@ -152,6 +155,7 @@ def test_rollback_restores_adamw_clipping_and_the_lr_schedule_exactly() -> None:
         (["--entry", "no_such_module_here:training"], "cannot import"),
         (["--entry", "tests.library_entries:nondeterministic"], "pure function"),
         (["--entry", "tests.library_entries:batch_norm"], "running statistics"),
+        (["--entry", "tests.library_entries:bad_optimizer"], "Invalid learning rate"),
         (["--device", "tpu"], "unknown device"),
         (
             ["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "cuda:99"],
