@@ -201,7 +201,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     """Profile every stage, print a per-stage table (progress on stderr), write the job spec."""
     import torch
 
-    from runtime_adapter.devices import activate, job_devices, resolve_device
+    from runtime_adapter.devices import activate, resolve_device, workers_per_device
     from runtime_adapter.entry import load_entry
     from runtime_adapter.profile import profile_stages
     from runtime_adapter.profile_comm import format_table, job_spec_from_profile, measure_comm
@@ -218,8 +218,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.memory_gib is not None:
         capacity = args.memory_gib * 1024.0
     elif device.type == "cuda":  # the launch's placement: "cuda" spreads the workers over the GPUs
-        spread = job_devices(args.device, "gloo", D * P)[0] == "cuda"
-        sharing = -(-D * P // torch.cuda.device_count()) if spread else D * P
+        sharing = workers_per_device(args.device, device, D * P)
         capacity = torch.cuda.get_device_properties(device).total_memory / float(1 << 20) / sharing
     else:
         capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / float(1 << 20) / (D * P)

@@ -82,14 +82,22 @@ def choose_backend(requested: str, device: torch.device, workers_per_device: int
     return "nccl", None if requested == "nccl" else "auto: one worker per CUDA device"
 
 
+def workers_per_device(spec: str, device: torch.device, workers: int) -> int:
+    """How many of a job's `workers` share one device under `--device spec` (resolved to `device`):
+    "cuda"/"auto" spread them over every GPU (worker i on cuda:<i % count>), "cuda:N" and the CPU put
+    them all on one."""
+    if device.type == "cuda" and spec in ("cuda", "auto"):
+        return -(-workers // torch.cuda.device_count())
+    return workers
+
+
 def job_devices(spec: str, requested: str, workers: int) -> tuple[str, str, str | None]:
     """For a job of `workers` on this machine: (each worker's --device, the backend, why the backend is
     not the request). "cuda"/"auto" spread the workers over every GPU (worker i on
     cuda:<i % count>: "cuda"), "cuda:N" and the CPU put them all on one device."""
     device = resolve_device(spec, 0)
     spread = device.type == "cuda" and spec in ("cuda", "auto")
-    per_device = -(-workers // torch.cuda.device_count()) if spread else workers
-    backend, why = choose_backend(requested, device, per_device)
+    backend, why = choose_backend(requested, device, workers_per_device(spec, device, workers))
     return ("cuda" if spread else str(device)), backend, why
 
 

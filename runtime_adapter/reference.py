@@ -6,7 +6,7 @@ import torch
 
 from runtime_adapter.grad_sum import GradSum
 from runtime_adapter.stage import StageRunner, infer_shapes
-from runtime_adapter.training import Training, apply_lr, clip_by_norm, ordered_sum, squared_norm
+from runtime_adapter.training import Training, apply_lr, clip_gradients, squared_norm
 
 
 def train_reference(
@@ -63,14 +63,13 @@ def train_reference(
 
 
 def _clip(training: Training, params: list[list[torch.nn.Parameter]]) -> None:
-    """The executor's clipping (training.clip_gradients) with every stage's norm at hand."""
-    clip = training.clip
-    if clip is None:
+    """The executor's clipping (training.clip_gradients), every stage's squared norm at hand: the
+    "exchange" answers the vector the world all-reduce would (taken before any stage clips)."""
+    if training.clip is None:
         return
-    squared = [squared_norm(ps) for ps in params]
+    squared = torch.stack([squared_norm(ps) for ps in params])
     for s, ps in enumerate(params):
-        total = ordered_sum(torch.stack(squared)) if clip.scope == "global" else squared[s]
-        clip_by_norm(ps, total, clip.max_norm)
+        clip_gradients(ps, training.clip, s, len(params), lambda _: squared)
 
 
 def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
