@@ -99,7 +99,7 @@ class Children:
 
 def recycle_cmd(*args: str) -> list[str]:
     """`recycle ARGS` with this interpreter (no dependence on PATH)."""
-    return [sys.executable, "-m", "planner.cli", *args]
+    return [sys.executable, "-m", "recycle_cli", *args]
 
 
 def run_step(children: Children, name: str, cmd: list[str], log: Path, timeout: float) -> str:

@@ -2,6 +2,9 @@
 
     recycle bench [JOB.json ...] --out bench-results      (or: python -m bench.planner ...)
 
+add_bench_parser(sub) is how the `recycle` dispatcher (recycle_cli) gets the subcommand; this module
+imports the planner only, never the dispatcher.
+
 For every instance and failure case it prints and records: failure-free 1F1B, naive re-route,
 1F1B on the surviving pipelines, adaptive greedy, adaptive final (CP-SAT where it ran), the load
 bound and the memory-aware bound, gaps, solve time and peak memory. Writes results.json and
@@ -19,6 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from planner.baselines import baseline_schedule
+from planner.cli_io import finite_float
 from planner.contract import FailureScenario, JobSpec
 from planner.errors import InvalidInputError, PlannerError, ScheduleRuleError
 from planner.outputs import format_cell, render_table
@@ -175,7 +179,31 @@ def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
-if __name__ == "__main__":
-    from planner.cli import main
+def cmd_bench(args: argparse.Namespace) -> int:
+    return run_bench(args)
 
-    sys.exit(main(["bench", *sys.argv[1:]]))
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`recycle bench`."""
+    b = sub.add_parser("bench", help="benchmark baselines and the adaptive planner over instances")
+    b.add_argument("instances", nargs="*", help="job specs (default: examples/*.json)")
+    b.add_argument("--out", default="bench-results", help="directory for results.json and results.md")
+    b.add_argument(
+        "--time-limit", type=finite_float, default=10.0, help="CP-SAT time limit per case, seconds"
+    )
+    b.add_argument("--max-failures", type=int, default=3, help="failure counts 0..N (default 3)")
+    b.set_defaults(func=cmd_bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.planner ARGS` = `recycle bench ARGS` (same usage, errors and exit codes)."""
+    from planner.cli import run
+
+    parser = argparse.ArgumentParser(prog="recycle")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    return run(parser, ["bench", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,6 @@
-"""`recycle`: plan, validate and benchmark fault-tolerant pipeline schedules from the shell.
+"""The planner's subcommands of `recycle` (plan, validate) and the runner every subcommand goes through.
+
+The `recycle` dispatcher itself is recycle_cli/ (it imports this module, never the other way round).
 
 Exit codes: 0 success; 2 bad input (unreadable file, malformed JSON, invalid field, bad flag);
 3 unrecoverable failure set (a stage with no alive worker); 4 a schedule that breaks a rule.
@@ -117,33 +119,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from bench.planner import run_bench
-
-    return run_bench(args)
-
-
-def _environment_epilog() -> str:
-    """The RECYCLE_* variables (from the settings classes, like docs/configuration.md)."""
-    from api.settings import Settings
-    from planner.settings import PlannerSettings, environment_rows
-    from runtime_adapter.settings import RuntimeSettings
-
-    rows = environment_rows(PlannerSettings, RuntimeSettings, Settings)
-    lines = [f"  {var}={default}: {text}" for var, default, text in rows]
-    return "environment variables (with defaults; docs/configuration.md):\n" + "\n".join(lines)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="recycle",
-        description=__doc__.splitlines()[0],
-        epilog=_environment_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`recycle plan`."""
     p = sub.add_parser("plan", help="plan a schedule for a job spec and a failure set")
     p.add_argument("job", help="job spec JSON (docs/contract.md section 1)")
     p.add_argument("--fail", action="append", default=[], metavar="D,S", help="a failed worker (repeatable)")
@@ -174,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
     p.set_defaults(func=cmd_plan)
 
+
+def add_validate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`recycle validate`."""
     v = sub.add_parser("validate", help="replay a schedule and print its figures or the rule it breaks")
     v.add_argument("job", help="job spec JSON (docs/contract.md section 1)")
     v.add_argument("schedule", help="schedule JSON (docs/contract.md section 3)")
@@ -187,27 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true", help="print JSON")
     v.set_defaults(func=cmd_validate)
 
-    b = sub.add_parser("bench", help="benchmark baselines and the adaptive planner over instances")
-    b.add_argument("instances", nargs="*", help="job specs (default: examples/*.json)")
-    b.add_argument("--out", default="bench-results", help="directory for results.json and results.md")
-    b.add_argument(
-        "--time-limit", type=finite_float, default=10.0, help="CP-SAT time limit per case, seconds"
-    )
-    b.add_argument("--max-failures", type=int, default=3, help="failure counts 0..N (default 3)")
-    b.set_defaults(func=cmd_bench)
 
-    from api.cli import add_serve_parser
-    from runtime_adapter.cli import add_launch_parser, add_profile_parser, add_store_parser, add_worker_parser
-    from whatif.cli import add_whatif_parsers
-
-    add_serve_parser(sub)
-    add_worker_parser(sub)
-    add_launch_parser(sub)
-    add_store_parser(sub)
-    add_profile_parser(sub)
-
-    add_whatif_parsers(sub)
-    return parser
+def add_planner_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """The planner's own subcommands, in `recycle --help` order: plan, validate."""
+    add_plan_parser(sub)
+    add_validate_parser(sub)
 
 
 def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
@@ -235,11 +199,13 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Parse `argv` with `parser` (whose subcommands set `func`), run the command and map the planner's
+    errors to the exit codes above. The `recycle` dispatcher (recycle_cli) and `python -m bench.planner`
+    run through here."""
     args = parse_args(parser, argv)
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
+        level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
@@ -256,7 +222,3 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `recycle plan ... --json | head`: the reader left; no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,7 +15,7 @@ JOB = ROOT / "examples" / "gpt3-1.3b-p4d4.json"
 
 def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "planner.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "recycle_cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120
     )
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from planner.cli import build_parser, main
 from planner.cli_summary import fmt_gap
 from planner.contract import Schedule
 from planner.figures import derived_figures
+from recycle_cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "examples" / "gpt3-1.3b-p4d4.json"

@@ -28,7 +28,7 @@ TOL = 1e-6  # float64 gradient sums (grad_sum.py): in practice bitwise equal
 
 
 def recycle(*args: str) -> list[str]:
-    return [sys.executable, "-m", "planner.cli", *args]
+    return [sys.executable, "-m", "recycle_cli", *args]
 
 
 @pytest.mark.timeout(420)
