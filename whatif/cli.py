@@ -1,6 +1,6 @@
 """`recycle whatif`, `recycle simulate` and `recycle precompute`: parsers and commands.
 
-The lead wires them into planner/cli.py with `add_whatif_parsers(sub)`; each command returns an
+The `recycle` dispatcher (recycle_cli/) wires them in with `add_whatif_parsers(sub)`; each command returns an
 exit code and raises planner.errors.InvalidInputError for bad input (exit 2 there).
 """
 
@@ -134,8 +134,8 @@ def add_whatif_parser(sub: Any) -> None:
 
 def cmd_whatif(args: argparse.Namespace) -> int:
     """Print the what-if table; optionally plot and write JSON."""
-    from planner.plan import baseline_1f1b_ms
     from whatif.precompute import plan_missing
+    from whatif.structured import failure_free_1f1b_ms
     from whatif.table import choose_scenarios, evaluate, render
 
     _check_outputs(args, ("plot", "json"))
@@ -147,7 +147,7 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     if {"recycle", "recycle+barrier"} & set(strategies):
         every = [c for scenarios, _ in chosen.values() for c in scenarios]
         plan_missing(job, every, cache, args.workers, time_limit=timedelta(seconds=args.time_limit))
-    result = evaluate(job, strategies, fallback, baseline_1f1b_ms(job), chosen)
+    result = evaluate(job, strategies, fallback, failure_free_1f1b_ms(job), chosen)
     print(render(result, list(strategies)))
     print(f"(done in {time.perf_counter() - t0:.1f} s)", flush=True)
     if args.plot:
@@ -204,11 +204,11 @@ def _failure_sets(events: list[Any]) -> list[FailureScenario]:
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Run the trace through every strategy; print the figures; optionally plot and write JSON."""
     from planner.normalize import normalize
-    from planner.plan import baseline_1f1b_ms
     from whatif.events import simulate
     from whatif.precompute import plan_missing
     from whatif.scenarios import Canonical
     from whatif.strategies import young_daly_interval_s
+    from whatif.structured import failure_free_1f1b_ms
     from whatif.table import render_runs
     from whatif.trace import generate_trace, read_trace, write_trace
 
@@ -236,8 +236,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         sets = [normalize(job, sc) for sc in _failure_sets(events)]
         todo = [Canonical(n.scenario, n.key, 1) for n in sets]
         plan_missing(job, todo, cache, args.workers, time_limit=timedelta(seconds=args.time_limit))
-    base_ms = baseline_1f1b_ms(job)
-    runs = simulate(job, strategies, fallback, events, args.duration, costs, interval, base_ms, gpus)
+    base_ms = failure_free_1f1b_ms(job)
+    runs = simulate(
+        job, strategies, fallback, events, args.duration, costs, interval, base_ms, gpus, progress=True
+    )
     print(
         f"{job.name}: {sum(e.kind == 'fail' for e in events)} failures over {args.duration / 3600:.1f} h, "
         f"job MTBF {job_mtbf / 3600:.2f} h, checkpoint every {interval / 60:.1f} min "

@@ -201,17 +201,23 @@ def simulate(
     interval_s: float,
     baseline_ms: float,
     gpus_per_worker: int = 1,
+    progress: bool = False,
 ) -> dict[str, RunFigures]:
-    """Play `events` (sorted) for `duration_s` seconds through every strategy."""
+    """Play `events` (sorted) for `duration_s` seconds through every strategy. With `progress`, a run
+    that takes more than a second shows how far it got on stderr (each strategy's model is evaluated
+    on the failure sets as the trace reaches them, which is where the time goes)."""
+    from whatif.precompute import ProgressBar
+
     base_rate = job.num_pipelines * job.num_microbatches / (baseline_ms / 1000.0)
+    played = [ev for ev in events if ev.time_s < duration_s]
+    bar = ProgressBar(len(played) * len(strategies), "simulating", enabled=progress, after_s=1.0)
     out = {}
     for name, strat in strategies.items():
         run = _Run(strat, fallback, job, costs, interval_s)
-        for ev in events:
-            if ev.time_s >= duration_s:
-                break
+        for i, ev in enumerate(played):
             run.advance(ev.time_s)
             run.on_event(ev)
+            bar.advance(note=f"{name}: event {i + 1}/{len(played)}")
         out[name] = run.finish(duration_s, job, gpus_per_worker, base_rate)
         log.info("%s: %.3g samples, %d restarts", name, out[name].samples, out[name].restarts)
     return out

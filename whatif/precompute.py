@@ -33,18 +33,31 @@ class ProgressBar:
     """A one-line progress bar on a stream (stderr), silent when disabled. On a terminal it is redrawn
     in place; otherwise (a log file, CI) it prints a plain line at every tenth of the work."""
 
-    def __init__(self, total: int, label: str, stream: TextIO | None = None, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        total: int,
+        label: str,
+        stream: TextIO | None = None,
+        enabled: bool = True,
+        after_s: float = 0.0,
+    ) -> None:
+        """`after_s`: say nothing until the work has taken that long (a quick run stays quiet)."""
         self.total, self.label, self.done = total, label, 0
         self.stream = stream or sys.stderr
         self.enabled = enabled and total > 0
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.t0 = time.perf_counter()
+        self.after_s = after_s
 
     def advance(self, n: int = 1, note: str = "") -> None:
         """Count `n` more items done and redraw."""
         before, self.done = self.done, self.done + n
         if not self.enabled:
             return
+        if self.after_s and time.perf_counter() - self.t0 < self.after_s:
+            return
+        if self.after_s:  # the first line after the quiet spell: not only at the next tenth
+            self.after_s, before = 0.0, -self.total
         if not self.tty:
             step = max(1, self.total // 10)
             if self.done // step != before // step or self.done >= self.total:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from planner.contract import FailureScenario, JobSpec, Schedule
 from planner.errors import InvalidInputError, ScheduleRuleError
 from planner.simulator.memory import memory_deltas, peak_memory
-from planner.simulator.structure import OP_B, OP_BW, OP_F, OP_W, Layout, check_structure
+from planner.simulator.structure import OP_B, OP_BW, OP_F, OP_W, Layout, check_orders, check_structure
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,7 @@ def topological_order(lay: Layout, graph: Graph) -> list[int]:
     done = [False] * n
     parked: list[list[int] | None] = [None] * n  # node -> workers waiting for it
     pos = first[:-1]
+    seen: dict[int, int] = {}  # OPT node -> how many of its opt_deps are known done (done only grows)
     stack = list(range(len(lay.workers) - 1, -1, -1))
     order: list[int] = []
     while stack:
@@ -124,8 +125,13 @@ def topological_order(lay: Layout, graph: Graph) -> list[int]:
         j, stop = pos[wi], first[wi + 1]
         while j < stop:
             p = dep[j]
-            if p == _MULTI:
-                p = next((q for q in opt_deps[j] if not done[q]), -1)
+            if p == _MULTI:  # the first peer not done yet, resuming where the last look stopped
+                peers = opt_deps[j]
+                i = seen.get(j, 0)
+                while i < len(peers) and done[peers[i]]:
+                    i += 1
+                seen[j] = i
+                p = peers[i] if i < len(peers) else -1
             if p >= 0 and not done[p]:
                 waiting = parked[p]
                 if waiting is None:
@@ -167,19 +173,31 @@ def replay(job: JobSpec, scenario: FailureScenario, schedule: Schedule, num_iter
     Raises ScheduleRuleError for a broken structure rule or a deadlocking order (rule 'deadlock',
     naming the stuck workers and what each waits on), InvalidInputError when num_iterations < 4.
     """
+    _check_iterations(num_iterations)
+    return _replay_layout(job, check_structure(job, scenario, schedule), num_iterations, with_memory=True)
+
+
+def _check_iterations(num_iterations: int) -> None:
     if isinstance(num_iterations, bool) or not isinstance(num_iterations, int):
         raise InvalidInputError(f"num_iterations: must be an integer, got {num_iterations!r}")
     if num_iterations < MIN_ITERATIONS:
         raise InvalidInputError(f"num_iterations: must be at least {MIN_ITERATIONS}, got {num_iterations}")
-    lay = check_structure(job, scenario, schedule)
+
+
+def _replay_layout(job: JobSpec, lay: Layout, num_iterations: int, with_memory: bool) -> Replay:
     graph = build_graph(job, lay)
     order = topological_order(lay, graph)
     starts, ends = _run(lay, graph, order, num_iterations)
     opt_nodes = [lay.first[i + 1] - 1 for i in range(len(lay.workers))]
     last_opt = [max(end[j] for j in opt_nodes) for end in ends]
     iteration_time = (last_opt[-1] - last_opt[0]) / (num_iterations - 1)
-    at_start, at_end = memory_deltas(job, lay)
-    peaks = peak_memory(lay, at_start, at_end, graph.duration, starts, ends)
+    if with_memory:
+        at_start, at_end = memory_deltas(job, lay)
+        peaks = dict(
+            zip(lay.workers, peak_memory(lay, at_start, at_end, graph.duration, starts, ends), strict=True)
+        )
+    else:
+        peaks = {}
     first_times: dict[WorkerKey, list[tuple[float, float]]] = {}
     busy: dict[WorkerKey, float] = {}
     start1, end1 = starts[0], ends[0]
@@ -191,11 +209,28 @@ def replay(job: JobSpec, scenario: FailureScenario, schedule: Schedule, num_iter
     return Replay(
         iteration_time_ms=iteration_time,
         first_iteration_times=first_times,
-        peak_memory_mib=dict(zip(lay.workers, peaks, strict=True)),
+        peak_memory_mib=peaks,
         busy_ms=busy,
         num_iterations=num_iterations,
         last_opt_end_ms=last_opt,
     )
+
+
+def replay_orders(
+    job: JobSpec,
+    scenario: FailureScenario,
+    orders: dict[WorkerKey, list[tuple[str, tuple[int, int] | None]]],
+    num_iterations: int = 4,
+) -> Replay:
+    """`replay` of the schedule whose workers run `orders` (each ending with ("OPT", None)), listed
+    by stage then pipeline as planner.orders.to_schedule lists them, without building the schedule
+    document: the same structure checks (check_orders), the same times. For callers that only want
+    the figures of many large schedules (whatif's baselines). Peak memory is not computed
+    (peak_memory_mib is empty)."""
+    _check_iterations(num_iterations)
+    listing = [(w, orders[w]) for w in sorted(orders, key=lambda w: (w[1], w[0]))]
+    lay = check_orders(job, scenario, listing)
+    return _replay_layout(job, lay, num_iterations, with_memory=False)
 
 
 def _run(
@@ -205,28 +240,27 @@ def _run(
     its dependencies (plus delay) have ended."""
     n = lay.num_nodes
     wk, dur, dep, delay, opt_deps = lay.node_worker, graph.duration, graph.dep, graph.delay, graph.opt_deps
+    # Each node's fields in evaluation order, read once rather than once per iteration.
+    steps = [(j, wk[j], dep[j], delay[j], dur[j], opt_deps.get(j)) for j in order]
     free = [0.0] * len(lay.workers)  # when each worker's previous op ended
     starts: list[list[float]] = []
     ends: list[list[float]] = []
     for _ in range(num_iterations):
         start = [0.0] * n
         end = [0.0] * n
-        for j in order:
-            w = wk[j]
+        for j, w, p, lag, length, peers in steps:
             t = free[w]
-            p = dep[j]
             if p >= 0:
-                x = end[p] + delay[j]
+                x = end[p] + lag
                 if x > t:
                     t = x
-            elif p == _MULTI:
-                lag = delay[j]
-                for q in opt_deps[j]:
+            elif peers is not None:  # an OPT (p == _MULTI)
+                for q in peers:
                     x = end[q] + lag
                     if x > t:
                         t = x
             start[j] = t
-            t += dur[j]
+            t += length
             end[j] = t
             free[w] = t
         starts.append(start)

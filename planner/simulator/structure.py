@@ -12,9 +12,9 @@ a *key* `(s * D + d) * M + m`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NoReturn, cast
+from typing import NamedTuple, NoReturn, cast
 
 from planner.contract import FailureScenario, JobSpec, Schedule
 from planner.errors import ScheduleRuleError
@@ -114,6 +114,48 @@ def check_structure(job: JobSpec, scenario: FailureScenario, schedule: Schedule)
     """
     scenario.check_against(job)
     _check_workers(job, scenario, schedule)
+    rows = (
+        ((int(ws.worker[0]), int(ws.worker[1])), [a.op for a in ws.actions], [a.mb for a in ws.actions])
+        for ws in schedule.workers
+    )
+    return _flatten(job, scenario, rows)
+
+
+class _Listed(NamedTuple):
+    worker: tuple[int, int]
+
+
+class _Listing(NamedTuple):
+    job: str
+    failed: list[tuple[int, int]]
+    workers: list[_Listed]
+
+
+def check_orders(
+    job: JobSpec,
+    scenario: FailureScenario,
+    orders: Sequence[tuple[tuple[int, int], Sequence[tuple[str, tuple[int, int] | None]]]],
+) -> Layout:
+    """check_structure for the schedule whose workers, in this listing order, run these orders
+    (each ending with ("OPT", None)), without the schedule document: the same rules, the same Layout.
+    The entries are taken as well-formed (an op name of CONTRACT.md, an mb for every op but OPT),
+    which the schedule document's own validation guarantees."""
+    scenario.check_against(job)
+    listing = _Listing(
+        job.name, [(int(d), int(s)) for d, s in scenario.failed], [_Listed(w) for w, _ in orders]
+    )
+    _check_workers(job, scenario, cast(Schedule, listing))
+    rows = ((w, [op for op, _ in order], [mb for _, mb in order]) for w, order in orders)
+    return _flatten(job, scenario, rows)
+
+
+def _flatten(
+    job: JobSpec,
+    scenario: FailureScenario,
+    rows: Iterable[tuple[tuple[int, int], Sequence[str], Sequence[tuple[int, int] | None]]],
+) -> Layout:
+    """The Layout of workers given as (worker, op names, micro-batches): the order, coverage, host
+    and range rules checked on the way."""
     num_d, num_p, num_m = job.num_pipelines, job.num_stages, job.num_microbatches
     num_keys = num_p * num_d * num_m
     tables = [[-1] * num_keys for _ in (OP_F, OP_B, OP_W, OP_BW)]  # op code -> key -> node
@@ -123,17 +165,15 @@ def check_structure(job: JobSpec, scenario: FailureScenario, schedule: Schedule)
     node_op: list[int] = []
     node_key: list[int] = []
     codes = OP_CODES
-    for wi, ws in enumerate(schedule.workers):
-        w = (int(ws.worker[0]), int(ws.worker[1]))
+    for wi, (w, ops, all_mbs) in enumerate(rows):
         workers.append(w)
-        ops = [a.op for a in ws.actions]
         _check_opt(w, ops)
         j0 = len(node_op)
         first.append(j0)
         node_worker.extend([wi] * len(ops))
         node_op.extend([codes[op] for op in ops])
         # Every action but the last (the OPT) has an mb: Action's own validator guarantees it.
-        mbs = cast(list[tuple[int, int]], [a.mb for a in ws.actions[:-1]])
+        mbs = cast(list[tuple[int, int]], all_mbs[:-1])
         for i, (mb_d, m) in enumerate(mbs):
             if mb_d >= num_d or m >= num_m:
                 raise ScheduleRuleError(

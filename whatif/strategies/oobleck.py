@@ -44,6 +44,7 @@ class Oobleck(Strategy):
     def __init__(self, job: JobSpec, costs: Costs) -> None:
         super().__init__(job, costs)
         self._blocks: dict[int, list[Block] | None] = {}
+        self._configs: dict[int, list[tuple[int, int]] | None] = {}  # num_alive -> configure()
         self.last_config: list[tuple[int, int]] = []  # (depth, micro-batches) of the chosen pipelines
 
     def blocks(self, depth: int) -> list[Block] | None:
@@ -63,7 +64,14 @@ class Oobleck(Strategy):
         return cap is None or max(peak_1f1b_mib(blocks, m)) <= cap * (1 + 1e-9)
 
     def configure(self, num_alive: int) -> list[tuple[int, int]] | None:
-        """(depth, micro-batches) per pipeline with the most pipelines that fit, or None."""
+        """(depth, micro-batches) per pipeline with the most pipelines that fit, or None (it depends
+        on the number of alive workers only: remembered per number)."""
+        if num_alive not in self._configs:
+            self._configs[num_alive] = self._configure(num_alive)
+        config = self._configs[num_alive]
+        return None if config is None else list(config)
+
+    def _configure(self, num_alive: int) -> list[tuple[int, int]] | None:
         job, total = self.job, self.job.num_pipelines * self.job.num_microbatches
         hop = job.comm.activation_ms
         for x in range(min(job.num_pipelines, num_alive), 0, -1):
