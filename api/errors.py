@@ -12,6 +12,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from api.validation import install_validation
 from planner.errors import InvalidInputError, ScheduleRuleError, UnrecoverableScenarioError
 
 
@@ -78,3 +79,4 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(IdempotencyConflictError, _simple(422, "idempotency_key_reused"))
     app.add_exception_handler(SolverBusyError, _simple(503, "solver_busy"))
     app.add_exception_handler(ScheduleRuleError, _simple(500, "planner_bug"))
+    install_validation(app)  # 422 naming the field for NaN/Infinity in a body, never echoing them
