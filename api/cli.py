@@ -1,7 +1,8 @@
 """`recycle serve`: run the planner service with uvicorn.
 
-planner/cli.py hooks this in with add_serve_parser(sub); settings not given as flags come from the
-environment (RECYCLE_*), so `RECYCLE_CONTROLLER_TOKEN=... recycle serve --data-dir /var/lib/recycle`.
+recycle_cli (the `recycle` dispatcher) hooks this in with add_serve_parser(sub); settings not given
+as flags come from the environment (RECYCLE_*), so
+`RECYCLE_CONTROLLER_TOKEN=... recycle serve --data-dir /var/lib/recycle`.
 
 Every flag is checked before anything starts, and the listening socket is bound before the solver
 processes are spawned: a bad flag, an unusable data directory, an unknown host or a port in use is a

@@ -1,7 +1,8 @@
 """FastAPI dependencies: settings, the job service, and who is calling (controller or a job's worker).
 
 401 means no valid credentials at all; 403 means a valid token that may not do this (a worker token
-posting events, or reading another job). Tokens are compared in constant time.
+reading or posting events for another job, registering, listing or patching jobs). Tokens are
+compared in constant time.
 """
 
 from __future__ import annotations
@@ -78,14 +79,16 @@ PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
 async def require_controller(principal: PrincipalDep) -> Principal:
-    """Only the controller token may mutate."""
+    """Only the controller token may register, list or patch jobs."""
     if principal.role != "controller":
-        raise HTTPException(403, "this needs the controller token; a worker token may only read its schedule")
+        raise HTTPException(
+            403, "this needs the controller token; a worker token may only read its job and post its events"
+        )
     return principal
 
 
 async def require_job_reader(job_id: str, principal: PrincipalDep) -> Principal:
-    """The controller, or a worker token of this very job."""
+    """The controller, or a worker token of this very job (reads, and events of that job)."""
     if principal.role == "worker" and principal.job_id != job_id:
         raise HTTPException(403, "this worker token belongs to another job")
     return principal

@@ -54,7 +54,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         runtimes = service.load()
         solver.start()
         for rt in runtimes:
-            if rt.view is None:
+            if rt.view is None or (rt.record.state == "needs_restore" and rt.record.restore_policy == "auto"):
                 await service.ensure_version(rt)
             rec = rt.record
             unplanned = rec.precompute_total == 0 or rec.precompute_done < rec.precompute_total

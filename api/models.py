@@ -9,6 +9,18 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from planner.contract import FailureScenario, JobSpec, Worker
 
 JobState = Literal["running", "needs_restore", "finished"]
+RestorePolicy = Literal["auto", "manual"]
+
+
+class RestoreInfo(BaseModel):
+    """The latest restore: carried by every version from the first restore on (docs/service.md)."""
+
+    epoch: int = Field(ge=1, description="Restore epoch: 1 for the first restore, +1 for each later one.")
+    iteration: int | None = Field(
+        ge=0,
+        description="The stepped count of the checkpoint every worker loads; null: no complete checkpoint "
+        "was reported, start from the initial parameters with a fresh optimizer.",
+    )
 
 
 class JobCreate(BaseModel):
@@ -21,6 +33,12 @@ class JobCreate(BaseModel):
     heartbeat_enabled: bool = Field(default=True, description="Declare silent workers failed.")
     heartbeat_timeout_s: float | None = Field(
         default=None, gt=0, le=86400, description="Silence that fails a worker; default from settings."
+    )
+    restore_policy: RestorePolicy = Field(
+        default="auto",
+        description="auto: an event that loses a whole stage publishes the needs_restore version and at once "
+        "a restore version (every worker alive, `restore` {epoch, iteration}); manual: the job stays "
+        "needs_restore until rejoin events bring every stage back.",
     )
 
 
@@ -74,6 +92,21 @@ class JobStatus(BaseModel):
         description="Longest wait a worker's heartbeat poll is granted now (RECYCLE_MAX_WAIT_S, and "
         "heartbeat_timeout_s / 3 while heartbeats are on); also the Recycle-Poll-Wait-Max header of a poll.",
     )
+    restore_policy: RestorePolicy = Field(default="auto", description="auto or manual (see JobCreate).")
+    restore: RestoreInfo | None = Field(
+        default=None, description="The latest restore; null before the first."
+    )
+    checkpoints: dict[str, list[int]] = Field(
+        default_factory=dict,
+        description="Per stage (key: the stage as a string), the newest reported checkpoint iterations.",
+    )
+    restorable_iteration: int | None = Field(
+        default=None, description="The newest iteration every stage reported a checkpoint for; null if none."
+    )
+    job: JobSpec | None = Field(
+        default=None,
+        description="The registered job spec (an agent reads its grid and stage figures from here).",
+    )
 
 
 class JobSummary(BaseModel):
@@ -104,16 +137,20 @@ class EventIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     event_id: str = Field(min_length=1, max_length=200, description="Client-chosen id; replays are no-ops.")
-    kind: Literal["fail", "rejoin", "slow", "done"] = Field(
-        description="fail, rejoin, slow (with factor), or done: these workers completed their iterations "
-        "and stop polling (the job's worker token may post it; the job is finished once every alive "
-        "worker is done)."
+    kind: Literal["fail", "rejoin", "slow", "done", "checkpoint"] = Field(
+        description="fail, rejoin, slow (with factor), done (these workers completed their iterations "
+        "and stop polling; the job is finished once every alive worker is done), or checkpoint (with "
+        "iteration: the stages of these workers have a durable checkpoint at that stepped count; makes no "
+        "version). The controller token and the job's worker token may post every kind."
     )
     workers: list[Worker] = Field(min_length=1, max_length=4096, description="Workers [d, s] concerned.")
     factor: float | None = Field(
         default=None, gt=0, le=1000, description="For slow: the new factor; 1.0 clears slowness."
     )
     reason: str | None = Field(default=None, max_length=1000, description="Free text for the history.")
+    iteration: int | None = Field(
+        default=None, ge=0, le=2**53, description="For checkpoint: the stepped count of the checkpoint."
+    )
 
     @model_validator(mode="after")
     def _check_factor(self) -> EventIn:
@@ -121,7 +158,16 @@ class EventIn(BaseModel):
             raise ValueError("kind 'slow' needs factor")
         if self.kind != "slow" and self.factor is not None:
             raise ValueError(f"kind {self.kind!r} takes no factor")
+        if self.kind == "checkpoint" and self.iteration is None:
+            raise ValueError("kind 'checkpoint' needs iteration")
+        if self.kind != "checkpoint" and self.iteration is not None:
+            raise ValueError(f"kind {self.kind!r} takes no iteration")
         return self
+
+    def body_json(self) -> str:
+        """The body as stored for replay comparison (`iteration` only when given, so that events stored
+        before the field existed compare equal)."""
+        return self.model_dump_json(exclude={"iteration"} if self.iteration is None else None)
 
 
 class EventResult(BaseModel):
@@ -137,6 +183,20 @@ class EventResult(BaseModel):
         description="False when the event did not change the failure set (always for `done`)."
     )
     replayed: bool = Field(default=False, description="True when this event_id was already applied.")
+    unrecoverable_stages: list[int] | None = Field(
+        default=None, description="The stages the event lost (with restore policy auto: restored at once)."
+    )
+    needs_restore_version: int | None = Field(
+        default=None,
+        description="Restore policy auto: the needs_restore version committed before the restore version "
+        "(`version`).",
+    )
+    restore: RestoreInfo | None = Field(
+        default=None, description="Restore policy auto: the restore this event caused (epoch, iteration)."
+    )
+    restorable_iteration: int | None = Field(
+        default=None, description="checkpoint events: the job's restorable iteration after this report."
+    )
 
 
 class PlanRequest(BaseModel):
@@ -162,6 +222,12 @@ class ScheduleEnvelope(BaseModel):
     version: int
     state: str
     source: str
+    restore_policy: RestorePolicy
+    restore: RestoreInfo | None = Field(default=None, description="Absent before the first restore.")
+    joined_at: dict[str, int] = Field(
+        default_factory=dict,
+        description='{"d,s": the version since which that alive worker is continuously alive}',
+    )
     schedule: dict[str, Any]
 
 
@@ -179,3 +245,11 @@ class WorkerView(BaseModel):
         description="Per hosted micro-batch: prev_host (stage s-1) and next_host (stage s+1)."
     )
     actions: list[dict[str, Any]]
+    restore_policy: RestorePolicy = Field(
+        description="auto: a needs_restore version is followed by a restore version (wait for it)."
+    )
+    restore: RestoreInfo | None = Field(default=None, description="Absent before the first restore.")
+    joined_at: int | None = Field(
+        default=None,
+        description="Alive workers: the version since which this worker is continuously alive (fencing).",
+    )

@@ -25,6 +25,10 @@ class JobRecord:
     precompute_total: int = 0
     precompute_done: int = 0
     done_workers: list[list[int]] = field(default_factory=list)  # alive workers that reported `done`
+    restore_policy: str = "auto"  # auto: a lost stage is restored at once; manual: stays needs_restore
+    restore: dict[str, Any] | None = None  # the latest restore {epoch, iteration}, carried by every version
+    checkpoints: dict[str, list[int]] = field(default_factory=dict)  # stage -> newest reported iterations
+    joined: dict[str, Any] = field(default_factory=dict)  # {"base": v, "since": {"d,s": v}}: api/restore.py
 
 
 @dataclass

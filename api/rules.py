@@ -20,14 +20,15 @@ def check_dimensions(job: JobSpec, settings: Settings) -> None:
 def apply_change(scenario: FailureScenario, event: EventIn, job: JobSpec) -> FailureScenario:
     """The failure scenario after `event` (pure). Raises InvalidInputError for workers off the grid.
 
-    A `done` event leaves the scenario as it is (the service records done workers beside it)."""
+    A `done` or `checkpoint` event leaves the scenario as it is (the service records done workers and
+    reported checkpoints beside it)."""
     for i, (d, s) in enumerate(event.workers):
         if d >= job.num_pipelines or s >= job.num_stages:
             raise InvalidInputError(
                 f"workers[{i}]: worker [{d}, {s}] is outside the job's grid "
                 f"({job.num_pipelines} pipelines x {job.num_stages} stages)"
             )
-    if event.kind == "done":
+    if event.kind in ("done", "checkpoint"):
         return scenario
     targets = {(int(d), int(s)) for d, s in event.workers}
     failed = {(int(d), int(s)) for d, s in scenario.failed}

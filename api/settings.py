@@ -38,6 +38,12 @@ class Settings(BaseSettings):
     max_wait_s: float = Field(default=60.0, gt=0, description="Cap on the long-poll `wait` parameter.")
     heartbeat_timeout_s: float = Field(default=30.0, gt=0, description="Silence after which a worker fails.")
     heartbeat_check_s: float = Field(default=1.0, gt=0, description="How often heartbeats are checked.")
+    restore_grace_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="After a restore, extra time a worker has for its first poll (process start, torch "
+        "import) before its heartbeat timeout counts.",
+    )
     solver_processes: int = Field(default=1, ge=1, le=64, description="Processes for event-path solves.")
     background_processes: int = Field(default=1, ge=1, le=64, description="Processes for precompute/CP-SAT.")
 

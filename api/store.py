@@ -43,7 +43,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     heartbeat_enabled INTEGER NOT NULL, heartbeat_timeout_s REAL, scenario_json TEXT NOT NULL,
     version INTEGER NOT NULL, unrecoverable_stages TEXT NOT NULL,
     precompute_total INTEGER NOT NULL, precompute_done INTEGER NOT NULL,
-    done_workers TEXT NOT NULL DEFAULT '[]');
+    done_workers TEXT NOT NULL DEFAULT '[]', restore_policy TEXT NOT NULL DEFAULT 'manual',
+    restore TEXT NOT NULL DEFAULT 'null', checkpoints TEXT NOT NULL DEFAULT '{}',
+    joined TEXT NOT NULL DEFAULT '{}');
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_token ON jobs(worker_token_hash);
 CREATE TABLE IF NOT EXISTS versions (
     job_id TEXT NOT NULL, version INTEGER NOT NULL, scenario_json TEXT NOT NULL, schedule_json TEXT NOT NULL,
@@ -62,10 +64,17 @@ CREATE TABLE IF NOT EXISTS idempotency (
 
 
 _JOB_COLS = [f for f in JobRecord.__dataclass_fields__]
-_JSON_COLS = ("unrecoverable_stages", "done_workers")
+_JSON_COLS = ("unrecoverable_stages", "done_workers", "restore", "checkpoints", "joined")
 
-# Columns added after the first schema: (name, definition) for ALTER TABLE on an older store file.
-_ADDED_JOB_COLUMNS = (("done_workers", "TEXT NOT NULL DEFAULT '[]'"),)
+# Columns added after the first schema: (name, definition) for ALTER TABLE on an older store file. A job
+# from before restores keeps the behaviour it was registered under: restore_policy 'manual'.
+_ADDED_JOB_COLUMNS = (
+    ("done_workers", "TEXT NOT NULL DEFAULT '[]'"),
+    ("restore_policy", "TEXT NOT NULL DEFAULT 'manual'"),
+    ("restore", "TEXT NOT NULL DEFAULT 'null'"),
+    ("checkpoints", "TEXT NOT NULL DEFAULT '{}'"),
+    ("joined", "TEXT NOT NULL DEFAULT '{}'"),
+)
 
 
 def _job_from_row(row: sqlite3.Row) -> JobRecord:

@@ -7,6 +7,8 @@ from typing import Any
 
 import pydantic_core
 
+from api.restore import joined_at, joined_map
+
 Worker = tuple[int, int]
 
 
@@ -23,23 +25,31 @@ class VersionView:
     state: str
     source: str
     schedule: dict[str, Any]
+    restore_policy: str = "auto"
+    restore: dict[str, Any] | None = None  # the latest restore {epoch, iteration}; None before the first
+    joined: dict[str, Any] = field(default_factory=dict)  # api/restore.py: joined_at of every worker
     _full: bytes | None = None
     _by_worker: dict[Worker, bytes] = field(default_factory=dict)
     _hosts: dict[tuple[int, Worker], Worker] | None = None
     _actions: dict[Worker, list[dict[str, Any]]] | None = None
 
     def full(self) -> bytes:
-        """The whole schedule in an envelope."""
+        """The whole schedule in an envelope (with `restore` from the first restore on, and `joined_at`
+        of every alive worker: the same fields a launcher's schedule file carries)."""
         if self._full is None:
-            self._full = _dumps(
-                {
-                    "job_id": self.job_id,
-                    "version": self.version,
-                    "state": self.state,
-                    "source": self.source,
-                    "schedule": self.schedule,
-                }
-            )
+            doc: dict[str, Any] = {
+                "job_id": self.job_id,
+                "version": self.version,
+                "state": self.state,
+                "source": self.source,
+                "restore_policy": self.restore_policy,
+            }
+            if self.restore is not None:
+                doc["restore"] = self.restore
+            alive = [(int(w["worker"][0]), int(w["worker"][1])) for w in self.schedule["workers"]]
+            doc["joined_at"] = joined_map(self.joined, alive)
+            doc["schedule"] = self.schedule
+            self._full = _dumps(doc)
         return self._full
 
     def _index(self) -> None:
@@ -77,19 +87,24 @@ class VersionView:
                     "next_host": None if nxt is None else list(nxt),
                 }
             )
-        body = _dumps(
-            {
-                "job_id": self.job_id,
-                "version": self.version,
-                "state": self.state,
-                "worker": [d, s],
-                "alive": actions is not None,
-                "iteration_time_ms": self.schedule["iteration_time_ms"],
-                "failed": self.schedule.get("failed", []),
-                "stage_alive": sorted([list(w) for w in self._actions if w[1] == s]),
-                "routes": routes,
-                "actions": actions or [],
-            }
-        )
+        doc: dict[str, Any] = {
+            "job_id": self.job_id,
+            "version": self.version,
+            "state": self.state,
+            "worker": [d, s],
+            "alive": actions is not None,
+            "iteration_time_ms": self.schedule["iteration_time_ms"],
+            "failed": self.schedule.get("failed", []),
+            "stage_alive": sorted([list(w) for w in self._actions if w[1] == s]),
+            "routes": routes,
+            "actions": actions or [],
+            "restore_policy": self.restore_policy,
+        }
+        if self.restore is not None:
+            doc["restore"] = self.restore
+        since = joined_at(self.joined, worker) if actions is not None else None
+        if since is not None:
+            doc["joined_at"] = since
+        body = _dumps(doc)
         self._by_worker[worker] = body
         return body

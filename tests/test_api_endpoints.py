@@ -70,12 +70,12 @@ def test_auth_401_and_403(client: TestClient) -> None:
     r = client.post("/v1/jobs", json={"job": TINY}, headers={"Authorization": "Bearer nope"})
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert client.get(f"/v1/jobs/{job_id}/schedule").status_code == 401
-    # a worker token: reads its own job, nothing else, never mutates
+    # a worker token: reads its own job and posts its events (an agent has only that token), nothing else
     assert client.get(f"/v1/jobs/{job_id}/schedule", headers=worker).status_code == 200
     assert client.get(f"/v1/jobs/{other_id}/schedule", headers=worker).status_code == 403
     assert client.get(f"/v1/jobs/{job_id}/schedule", headers=other_worker).status_code == 403
     body = {"event_id": "x", "kind": "fail", "workers": [[0, 0]]}
-    assert client.post(f"/v1/jobs/{job_id}/events", json=body, headers=worker).status_code == 403
+    assert client.post(f"/v1/jobs/{other_id}/events", json=body, headers=worker).status_code == 403
     assert client.post("/v1/jobs", json={"job": TINY}, headers=worker).status_code == 403
     assert client.patch(f"/v1/jobs/{job_id}", json={}, headers=worker).status_code == 403
 
@@ -139,8 +139,8 @@ def test_event_replay_is_idempotent_and_conflict_is_409(client: TestClient) -> N
     assert r.status_code == 409 and r.json()["error"] == "event_conflict"
 
 
-def test_unrecoverable_is_409_naming_the_stage(client: TestClient) -> None:
-    job_id, _ = new_job(client)
+def test_unrecoverable_is_409_naming_the_stage_with_restore_policy_manual(client: TestClient) -> None:
+    job_id, _ = new_job(client, restore_policy="manual")  # the auto default: tests/test_api_restore.py
     r = event(client, job_id, "all-stage-1", "fail", [[0, 1], [1, 1], [2, 1]])
     assert r.status_code == 409
     assert r.json()["stages"] == [1] and "stage 1" in r.json()["detail"]

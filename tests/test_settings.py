@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from api.settings import Settings
-from planner.cli import build_parser
 from planner.settings import PlannerSettings, environment_markdown, environment_rows, planner_settings
+from recycle_cli import build_parser
 from runtime_adapter.settings import RuntimeSettings, runtime_settings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,11 +1,11 @@
-"""/v1/jobs/{id}/events: failures, rejoins and slow workers reported by the controller, and `done`
-from the job's workers (or the controller) when they completed their iterations."""
+"""/v1/jobs/{id}/events: failures, rejoins, slow workers, checkpoints and `done`, reported by the
+controller or with the job's own worker token (an agent on a host has only that one)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter
 
 from api.deps import ReaderDep, ServiceDep
 from api.models import EventIn, EventResult
@@ -14,23 +14,20 @@ from planner.errors import UnrecoverableScenarioError
 router = APIRouter(prefix="/v1/jobs", tags=["events"])
 
 _RESPONSES: dict[int | str, dict[str, Any]] = {
-    403: {"description": "A worker token posting another kind than `done`, or for another job."},
+    403: {"description": "A worker token of another job."},
     409: {
-        "description": "Unrecoverable failure set (names the stage); event_id reused with another body; "
-        "the job is finished (error: job_finished); `done` from a worker the job has as failed "
-        "(error: worker_failed)."
+        "description": "Unrecoverable failure set with restore policy manual (names the stage; with "
+        "policy auto the job is restored at once and the answer is 200 with `restore`); event_id reused "
+        "with another body; the job is finished (error: job_finished); `done` or `checkpoint` from a "
+        "worker the job has as failed (error: worker_failed)."
     },
 }
 
 
 @router.post("/{job_id}/events", response_model=EventResult, responses=_RESPONSES)
-async def post_event(job_id: str, body: EventIn, service: ServiceDep, principal: ReaderDep) -> EventResult:
-    """Apply an event once (idempotent by event_id) and publish the next schedule version.
-
-    The controller posts any kind; the job's worker token only `done` (a worker that completed its
-    iterations, before it stops polling)."""
-    if principal.role != "controller" and body.kind != "done":
-        raise HTTPException(403, "a worker token may only post `done` events and read its job")
+async def post_event(job_id: str, body: EventIn, service: ServiceDep, _: ReaderDep) -> EventResult:
+    """Apply an event once (idempotent by event_id) and publish the next schedule version (none for
+    `done` and `checkpoint`). The controller and the job's worker token may post every kind."""
     result, lost_stages = await service.apply_event(job_id, body)
     if lost_stages:
         raise UnrecoverableScenarioError(lost_stages)

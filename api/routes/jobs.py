@@ -12,7 +12,17 @@ from api.background import precompute
 from api.deps import ControllerDep, ReaderDep, ServiceDep
 from api.idempotency import check_key, key_hash, replayed_answer
 from api.jobs import JobRuntime, JobService
-from api.models import JobCreate, JobCreated, JobList, JobPatch, JobStatus, JobSummary, Precompute
+from api.models import (
+    JobCreate,
+    JobCreated,
+    JobList,
+    JobPatch,
+    JobStatus,
+    JobSummary,
+    Precompute,
+    RestoreInfo,
+)
+from api.restore import restorable_iteration
 from planner.errors import InvalidInputError
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -50,6 +60,11 @@ def job_status(service: JobService, rt: JobRuntime) -> JobStatus:
         created_at=rec.created_at,
         done=sorted(rt.done),
         poll_wait_max_s=service.poll_wait_cap(rt),
+        restore_policy=rec.restore_policy,  # type: ignore[arg-type]
+        restore=None if rec.restore is None else RestoreInfo.model_validate(rec.restore),
+        checkpoints=rec.checkpoints,
+        restorable_iteration=restorable_iteration(rec.checkpoints, rt.job.num_stages),
+        job=rt.job,
     )
 
 
