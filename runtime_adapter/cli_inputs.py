@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -108,15 +109,17 @@ def check_store_port(port: int) -> None:
             raise InvalidInputError(f"--store-port {port}: cannot listen there ({e.strerror})") from e
 
 
-def check_fresh_out(out: Path, checkpoints: Path, checkpointing: bool) -> None:
+def check_fresh_out(out: Path, checkpoints: str | os.PathLike[str], checkpointing: bool) -> None:
     """--out must not hold an earlier run's accounting (it is appended to), nor, with checkpointing,
     the checkpoint directory an earlier run's checkpoints (a restore would load them)."""
+    from runtime_adapter import checkpoint  # torch: not when only the parser is built
+
     old = sorted(out.glob("acct_*.jsonl"))
     if old:
         raise InvalidInputError(
             f"--out {out} already holds a run ({old[0].name}): use a new directory or delete that one"
         )
-    if checkpointing and any(checkpoints.glob("stage*/it*.pt")):
+    if checkpointing and checkpoint.has_checkpoints(checkpoints):
         raise InvalidInputError(
             f"checkpoint directory {checkpoints} holds checkpoints of an earlier run: "
             "use another --checkpoint-dir or delete them"
@@ -128,9 +131,48 @@ def resolve_checkpoint_every(value: int | None) -> int:
     return runtime_settings().checkpoint_every if value is None else value
 
 
+def check_checkpoint_dir(text: str | None) -> str | None:
+    """--checkpoint-dir: a local directory that exists or can be created, and is writable; or an fsspec
+    URL whose scheme fsspec knows (and whose package is installed). Not `memory://`: each process
+    would see its own. The value to use (a URL that went through pathlib gets its `//` back)."""
+    if text is None:
+        return None
+    import fsspec  # not when only the parser is built (the service image has neither)
+
+    from runtime_adapter import checkpoint_io
+
+    root = checkpoint_io.normalise(text)
+    flag = f"--checkpoint-dir {text!r}"
+    if checkpoint_io.is_url(root):
+        scheme = root.split("://", 1)[0].lower()
+        if scheme == "memory":
+            raise InvalidInputError(f"{flag}: memory:// is private to each process; use a shared dir or URL")
+        try:
+            fsspec.get_filesystem_class(scheme)
+        except ValueError as e:
+            raise InvalidInputError(f"{flag}: unknown URL scheme {scheme!r} (fsspec: {e})") from e
+        except ImportError as e:
+            raise InvalidInputError(f"{flag}: {scheme}:// needs a package that is not installed ({e})") from e
+        if scheme not in ("file", "local"):
+            return root
+        local = Path(checkpoint_io.Root(root).base)
+    else:
+        local = Path(root)
+    existing = next(p for p in [local.absolute(), *local.absolute().parents] if p.exists())
+    if not existing.is_dir():
+        raise InvalidInputError(f"{flag}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InvalidInputError(f"{flag}: {existing} is not writable")
+    return root
+
+
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     """--checkpoint-dir and --checkpoint-every (default $RECYCLE_CHECKPOINT_EVERY, else 0: none)."""
-    p.add_argument("--checkpoint-dir", help="directory of the periodic checkpoints (stage<s>/it<k>.pt)")
+    p.add_argument(
+        "--checkpoint-dir",
+        help="where the periodic checkpoints go (stage<s>/it<k>/, torch.distributed.checkpoint): a directory "
+        "every host can read or an fsspec URL (file:///mnt/ckpt, s3://bucket/run)",
+    )
     p.add_argument(
         "--checkpoint-every",
         type=int,
