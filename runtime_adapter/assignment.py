@@ -2,6 +2,11 @@
 
 Built either from a whole schedule document (schedule file) or from the service's per-worker answer
 (GET /v1/jobs/{id}/schedule?worker=d,s), so the lowering and the executor never care where it came from.
+
+Both envelopes may carry the restore protocol's optional fields (docs/runtime.md, "Restores and
+fencing"): `restore` {epoch, iteration} (from the first restore on), `restore_policy` ("auto": a
+`needs_restore` version is followed by a restore version; absent: "manual") and `joined_at` (the
+service's worker view: a number; a schedule file: {"d,s": version} of every alive worker).
 """
 
 from __future__ import annotations
@@ -15,6 +20,33 @@ from planner.contract import Schedule
 Worker = tuple[int, int]
 MicroBatch = tuple[int, int]
 Op = tuple[str, MicroBatch | None]
+
+
+@dataclass(frozen=True)
+class RestorePoint:
+    """A version's `restore`: restore epoch `epoch` loads the checkpoint at stepped count `iteration`
+    (None: the initial parameters and a fresh optimizer)."""
+
+    epoch: int
+    iteration: int | None
+
+
+def parse_restore(doc: Mapping[str, Any]) -> RestorePoint | None:
+    """The `restore` field of an envelope (None when absent: no restore yet)."""
+    r = doc.get("restore")
+    if not isinstance(r, Mapping):
+        return None
+    it = r.get("iteration")
+    return RestorePoint(int(r["epoch"]), None if it is None else int(it))
+
+
+def parse_joined_at(doc: Mapping[str, Any], worker: Worker) -> int | None:
+    """`worker`'s `joined_at` in an envelope: a number (a worker view) or a {"d,s": v} map (a whole
+    schedule's envelope); None when absent (no fencing information)."""
+    j = doc.get("joined_at")
+    if isinstance(j, Mapping):
+        j = j.get(f"{worker[0]},{worker[1]}")
+    return None if j is None else int(j)
 
 
 @dataclass(frozen=True)
@@ -32,6 +64,9 @@ class Assignment:
     next_host: Mapping[MicroBatch, Worker | None] = field(default_factory=dict)
     stage_alive: tuple[Worker, ...] = ()
     state: str = "running"  # the job's state: "needs_restore" means a stage is lost, stop and restore
+    restore: RestorePoint | None = None  # the latest restore (None: none yet)
+    restore_policy: str = "manual"  # "auto": a needs_restore version is followed by a restore version
+    joined_at: int | None = None  # the version since which this worker is continuously alive (fencing)
 
     @property
     def alive(self) -> bool:
@@ -111,7 +146,17 @@ def assignment_from_view(
         next_host=nxt,
         stage_alive=tuple(sorted(_w(w) for w in view["stage_alive"])),
         state=str(view.get("state", "running")),
+        **envelope_fields(view, _w(view["worker"])),
     )
+
+
+def envelope_fields(doc: Mapping[str, Any], worker: Worker) -> dict[str, Any]:
+    """The restore protocol's fields of an envelope, as Assignment keyword arguments."""
+    return {
+        "restore": parse_restore(doc),
+        "restore_policy": str(doc.get("restore_policy", "manual")),
+        "joined_at": parse_joined_at(doc, worker),
+    }
 
 
 def assignments_from_schedule(

@@ -1,5 +1,6 @@
 """`recycle worker`, `recycle launch`, `recycle store` and `recycle profile`: parsers and commands
-(wired into planner/cli.py; `recycle launch` itself is in launch_cli.py, `recycle store` in store.py).
+(wired into the `recycle` dispatcher, recycle_cli; `recycle launch` itself is in launch_cli.py,
+`recycle store` in store.py, `recycle agent` in agent_cli.py).
 
 Also runnable alone: `python -m runtime_adapter.cli worker ...` (what the launcher starts).
 """
@@ -77,6 +78,19 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     add_checkpoint_args(p)
     p.add_argument("--resume", action="store_true", help="start from the newest complete checkpoint")
     p.add_argument(
+        "--resume-at",
+        metavar="K|none",
+        help="a restore: start from exactly the checkpoint at stepped count K (none: the initial "
+        "parameters; not with --resume)",
+    )
+    p.add_argument(
+        "--restore-epoch",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the restore epoch this process starts in (with --resume-at: it does not reload for it)",
+    )
+    p.add_argument(
         "--pace-ms", type=finite_float, default=0.0, help="make each iteration last at least this long"
     )
     p.set_defaults(func=cmd_worker)
@@ -95,6 +109,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     args.checkpoint_every = resolve_checkpoint_every(args.checkpoint_every)
     check_min("--checkpoint-every", args.checkpoint_every, 0)
     check_min("--pace-ms", args.pace_ms, 0)
+    check_min("--restore-epoch", args.restore_epoch, 0)
+    resume_at = parse_resume_at(args.resume_at, args.resume, args.checkpoint_dir)
     install_log_prefix(worker)
     opts = WorkerOptions(
         worker=worker,
@@ -117,6 +133,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
+        resume_at=resume_at,
+        restore_epoch=args.restore_epoch,
         pace_ms=args.pace_ms,
     )
     source: ScheduleSource
@@ -147,6 +165,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
     logging.shutdown()
     sys.stdout.flush()
     os._exit(code)
+
+
+def parse_resume_at(text: str | None, resume: bool, checkpoint_dir: str | None) -> int | None:
+    """`--resume-at K|none` -> K or None (also when absent); InvalidInputError for anything else."""
+    if text is None or text == "none":
+        if text is not None and resume:
+            raise InvalidInputError("--resume-at and --resume exclude each other")
+        return None
+    if resume:
+        raise InvalidInputError("--resume-at and --resume exclude each other")
+    if not text.isdigit():
+        raise InvalidInputError(f"--resume-at: {text!r} is not a stepped count (an integer >= 0) or 'none'")
+    if not checkpoint_dir:
+        raise InvalidInputError("--resume-at K needs --checkpoint-dir")
+    return int(text)
 
 
 def add_store_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

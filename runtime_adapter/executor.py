@@ -166,6 +166,14 @@ class Executor:
         self.optimizer.load_state_dict(state["optim"])
         self.stepped, self._snapshot = stepped, None
 
+    def reset_state(self, model: dict[str, Any]) -> None:
+        """Start over: parameters `model` (a freshly built stage's: the initial ones), a fresh optimizer
+        of the Training, nothing stepped (a restore without a complete checkpoint)."""
+        self.module.load_state_dict(model)
+        self.optimizer = self.runner.training.optimizer(self.params)
+        self.base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        self.stepped, self._snapshot = 0, None
+
     # -- OPT ------------------------------------------------------------------------------------------
 
     def _opt(

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from runtime_adapter.launch import Launcher, LaunchSpec
     from runtime_adapter.progress import JobMonitor
     from runtime_adapter.publishers import Publisher
+    from runtime_adapter.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,13 @@ def add_launch_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.set_defaults(func=cmd_launch)
 
 
+def checkpoint_location(text: str | None) -> Path | str | None:
+    """--checkpoint-dir: an fsspec URL (scheme://...) stays a string, anything else is a path."""
+    if not text:
+        return None
+    return text if "://" in text else Path(text)
+
+
 def _check_flags(args: argparse.Namespace) -> None:
     check_min("--iterations", args.iterations, 1)
     args.checkpoint_every = resolve_checkpoint_every(args.checkpoint_every)
@@ -179,7 +187,8 @@ def _publisher(args: argparse.Namespace, spec: LaunchSpec) -> Publisher | str:
     if args.schedules:
         source = open_schedules(args.schedules, spec.job, args.plan_on_demand)
         print(f"schedules: {source.describe()}")
-        return FilePublisher(spec.out_dir / "schedule.json", spec.job, source)
+        checkpoints = spec.checkpoints if spec.checkpoint_every > 0 else None  # restores need them
+        return FilePublisher(spec.out_dir / "schedule.json", spec.job, source, checkpoints)
     if args.plan_on_demand:
         return "--plan-on-demand goes with --schedules (the service plans by itself)"
     env_token = runtime_settings().controller_token
@@ -189,9 +198,9 @@ def _publisher(args: argparse.Namespace, spec: LaunchSpec) -> Publisher | str:
     print(
         f"schedules: from the planner service {args.service} (precomputed up to {args.max_failures} failures)"
     )
-    return ServicePublisher(
-        args.service, token, spec.job, args.max_failures, heartbeat_timeout_s=args.heartbeat_timeout
-    )
+    policy = "auto" if spec.checkpoint_every > 0 else "manual"  # no checkpoints: a lost stage ends it
+    return ServicePublisher(args.service, token, spec.job, args.max_failures,
+                            heartbeat_timeout_s=args.heartbeat_timeout, restore_policy=policy)  # fmt: skip
 
 
 def _print_outputs(spec: LaunchSpec) -> None:
@@ -218,7 +227,9 @@ class _Reporter:
         self.monitor, self.spec, self.every = monitor, spec, every
         self.seen_events, self.last_print = 0, time.monotonic()
 
-    def __call__(self, lr: Launcher) -> None:
+    def __call__(self, lr: Supervisor) -> None:
+        from runtime_adapter.summary import restarted
+
         self.monitor.poll()
         total = len(self.spec.workers())
         for ev in lr.history[self.seen_events :]:
@@ -232,7 +243,7 @@ class _Reporter:
                 start = (
                     "iteration 0" if ev.checkpoint is None else f"the checkpoint at iteration {ev.checkpoint}"
                 )
-                print(f"{ev.why}: restarting every worker from {start}", flush=True)
+                print(f"{ev.why}: restore from {start}, {restarted(ev)}", flush=True)
         self.seen_events = len(lr.history)
         last = self.spec.num_iterations - 1
         for row in self.monitor.new_losses():
@@ -285,12 +296,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
     job, model = read_job(args.job), parse_kwargs(args.model)
     _check_flags(args)
     device, backend = _check_training(args, job, model)
-    ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    ckpt_dir = checkpoint_location(args.checkpoint_dir)
     spec = LaunchSpec(job, model, args.iterations, Path(args.out), backend, entry=args.entry, device=device,
                       check_data=args.check_data, checkpoint_every=args.checkpoint_every,
                       checkpoint_dir=ckpt_dir, pace_ms=args.pace_ms, store_port=args.store_port,
                       store=parse_store(args.store) if args.store else None)  # fmt: skip
-    check_fresh_out(spec.out_dir, spec.checkpoints, spec.checkpoint_every > 0)
+    local = isinstance(spec.checkpoints, Path)  # a URL's earlier checkpoints are not looked for here
+    check_fresh_out(spec.out_dir, Path(spec.checkpoints), spec.checkpoint_every > 0 and local)
     if args.dry_run and args.schedules and args.plan_on_demand:  # a dry run neither plans nor writes
         print(f"schedules: {args.schedules} (planned on demand when the job runs)")
         print(spec.dry_run())

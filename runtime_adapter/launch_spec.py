@@ -36,7 +36,7 @@ class LaunchSpec:
     check_data: bool = False
     fail_at: dict[Worker, tuple[int, str]] = field(default_factory=dict)
     checkpoint_every: int = 0
-    checkpoint_dir: Path | None = None  # default: <out_dir>/checkpoints
+    checkpoint_dir: Path | str | None = None  # a directory or an fsspec URL; default: <out_dir>/checkpoints
     pace_ms: float = 0.0
     store_port: int = 0  # the rendezvous store's port; 0: a free one, chosen at start
     store: tuple[str, int] | None = None  # an external store (host, port); None: the launcher hosts one
@@ -48,8 +48,8 @@ class LaunchSpec:
         return self.store[0] if self.store is not None else "127.0.0.1"
 
     @property
-    def checkpoints(self) -> Path:
-        """The checkpoint directory."""
+    def checkpoints(self) -> Path | str:
+        """The checkpoint directory (or URL)."""
         return self.checkpoint_dir if self.checkpoint_dir is not None else self.out_dir / "checkpoints"
 
     def workers(self) -> list[Worker]:
@@ -64,12 +64,14 @@ class LaunchSpec:
         standby_key: str | None = None,
         fail_at: tuple[int, str] | None = None,
         source_args: list[str] | None = None,
-        resume: bool = False,
+        resume_at: int | None = None,
+        restore_epoch: int | None = None,
     ) -> list[str]:
         """The command line of `worker`'s process (a re-joiner's if `rejoin`; a warm standby's if
         `standby_key`, which waits for the launcher to set that store key before joining; one that
-        starts from the newest complete checkpoint if `resume`). `source_args`: where it polls
-        (default: the schedule file in out_dir). The spec's `fail_at` applies to first starts only."""
+        starts in restore epoch `restore_epoch` from the checkpoint at stepped count `resume_at`, None:
+        the initial parameters). `source_args`: where it polls (default: the schedule file in
+        out_dir). The spec's `fail_at` applies to first starts only."""
         d, s = worker
         if source_args is None:
             source_args = ["--schedule-file", str(self.out_dir / SCHEDULE_FILE)]
@@ -91,16 +93,18 @@ class LaunchSpec:
             cmd.append("--check-data")
         if self.checkpoint_every > 0:
             cmd += ["--checkpoint-every", str(self.checkpoint_every)]
-        cmd += ["--checkpoint-dir", str(self.checkpoints)]
+        cmd += ["--checkpoint-dir", str(self.checkpoints)]  # a URL stays as given
         if self.pace_ms > 0:
             cmd += ["--pace-ms", f"{self.pace_ms:g}"]
         if rejoin:
             cmd.append("--rejoin")
-        if resume:
-            cmd.append("--resume")
+        restored = restore_epoch is not None
+        if restored:
+            cmd += ["--resume-at", "none" if resume_at is None else str(resume_at)]
+            cmd += ["--restore-epoch", str(restore_epoch)]
         if standby_key is not None:
             cmd += ["--standby-key", standby_key]
-        fail = fail_at if (rejoin or resume) else self.fail_at.get(worker)
+        fail = fail_at if (rejoin or restored) else self.fail_at.get(worker)
         if fail is not None:
             cmd += ["--fail-at", f"{fail[0]}:{fail[1]}"]
         return cmd

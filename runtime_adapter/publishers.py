@@ -2,11 +2,16 @@
 
 `FilePublisher` keeps the failure set itself and writes the schedule of each new set (from
 `schedule_for`: the planner in tests, a directory of precomputed schedules on the CLI) as the next
-version of the file the workers poll. `ServicePublisher` is the controller of a job on the service:
-it registers the job (or attaches to one), posts `fail` / `rejoin` events with unique event_ids, and
-lets the service pick and version the schedules that the workers long-poll. Events the service
-could not take (unreachable, 5xx) wait in an outbox and are re-sent with the same event_id, which
-the service applies once (service_publisher.py; still importable from here).
+version of the file the workers poll. When a failure set loses a whole stage and checkpointing is on,
+it publishes a restore version instead (every worker alive, the failure-free schedule, and
+`restore: {epoch, iteration}` with the newest complete checkpoint of its checkpoint directory or null),
+the same protocol the service follows (docs/runtime.md, "Restores"). `ServicePublisher` is the
+controller of a job on the service (or an agent attached to it with the job's worker token): it
+registers the job (or attaches to one), posts `fail` / `rejoin` events with unique event_ids, follows
+the job's versions (restores) and lets the service pick and version the schedules that the workers
+long-poll. Events the service could not take (unreachable, 5xx) wait in an outbox and are re-sent
+with the same event_id, which the service applies once (service_publisher.py; still importable from
+here).
 """
 
 from __future__ import annotations
@@ -14,13 +19,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from planner.contract import JobSpec, Schedule
-from runtime_adapter.assignment import Worker
+from runtime_adapter.assignment import Worker, parse_restore
 
 if TYPE_CHECKING:
     from runtime_adapter.service_publisher import ServicePublisher as ServicePublisher
@@ -35,14 +40,51 @@ def lost_stages(failed: frozenset[Worker] | set[Worker], num_pipelines: int, num
     return [s for s in range(num_stages) if all((d, s) in failed for d in range(num_pipelines))]
 
 
-def publish(path: Path, version: int, schedule: Schedule, state: str = "running") -> None:
-    """Atomically replace the schedule file with version `version`."""
+@dataclass(frozen=True)
+class Restore:
+    """A version's `restore` field: every worker takes restore epoch `epoch`, loading the checkpoint at
+    stepped count `iteration` (None: the initial parameters); `version` is the first version with it."""
+
+    epoch: int
+    iteration: int | None
+    version: int = 0
+
+    def field(self) -> dict[str, int | None]:
+        """The envelope's `restore` object."""
+        return {"epoch": self.epoch, "iteration": self.iteration}
+
+    @classmethod
+    def from_envelope(cls, doc: dict[str, Any]) -> Restore | None:
+        """The `restore` of a version envelope (None when absent: no restore yet)."""
+        r = parse_restore(doc)
+        return None if r is None else cls(r.epoch, r.iteration, int(doc.get("version", 0)))
+
+
+def publish(
+    path: Path,
+    version: int,
+    schedule: Schedule,
+    state: str = "running",
+    restore: Restore | dict[str, int | None] | None = None,
+    restore_policy: str | None = None,
+    joined_at: Mapping[str, int] | None = None,
+) -> None:
+    """Atomically replace the schedule file with version `version`, with the restore protocol's optional
+    fields when given: `restore` (a Restore or the {"epoch", "iteration"} object itself),
+    `restore_policy` ("auto": the publisher restores by itself) and `joined_at` ({"d,s": version} of
+    every alive worker: fencing)."""
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    doc = {
+    doc: dict[str, Any] = {
         "version": version,
         "state": state,
         "schedule": json.loads(schedule.model_dump_json(exclude_none=True)),
     }
+    if restore is not None:
+        doc["restore"] = restore.field() if isinstance(restore, Restore) else dict(restore)
+    if restore_policy is not None:
+        doc["restore_policy"] = restore_policy
+    if joined_at is not None:
+        doc["joined_at"] = dict(joined_at)
     tmp.write_text(json.dumps(doc))
     os.replace(tmp, path)
 
@@ -73,17 +115,21 @@ class Publisher(Protocol):
         """Command-line flags telling a worker where to poll."""
         ...
 
-    def report(self, kind: str, workers: Sequence[Worker], reason: str = "") -> Outcome:
-        """Report workers failed (`fail`) or back (`rejoin`)."""
+    def report(
+        self, kind: str, workers: Sequence[Worker], reason: str = "", event_id: str | None = None
+    ) -> Outcome:
+        """Report workers failed (`fail`) or back (`rejoin`); `event_id` (default: a fresh one) makes
+        a retry idempotent."""
         ...
 
     def flush(self) -> list[int]:
         """Re-send what could not be delivered yet (called on every supervision tick); the stages
-        lost if a delivered event turned out unrecoverable."""
+        lost if a delivered event turned out unrecoverable. Raises PublisherError when the source
+        refused us for good."""
         ...
 
-    def restored(self) -> int:
-        """Every worker restarts from a checkpoint: publish the failure-free schedule; its version."""
+    def latest_restore(self) -> Restore | None:
+        """The newest restore published (None: none yet)."""
         ...
 
     def finish(self) -> None:
@@ -92,18 +138,49 @@ class Publisher(Protocol):
 
 
 class FilePublisher:
-    """A schedule file `{"version", "state", "schedule"}` replaced atomically on each change."""
+    """A schedule file `{"version", "state", "schedule", "joined_at"[, "restore_policy", "restore"]}`
+    replaced atomically on each change. With `checkpoints` (a checkpoint directory) a lost stage
+    publishes a restore version, and every version says `"restore_policy": "auto"`.
 
-    def __init__(self, path: Path, job: JobSpec, schedule_for: ScheduleFor) -> None:
+    `joined_at` ({"d,s": version} of every alive worker, the same incarnations the service tracks):
+    1 at the start, the re-join version for a re-joiner, the restore version for everyone after a
+    restore; a worker process that finds itself alive since another version than the one it joined
+    at was replaced meanwhile and leaves (fencing, incarnation.py)."""
+
+    def __init__(
+        self, path: Path, job: JobSpec, schedule_for: ScheduleFor, checkpoints: Path | str | None = None
+    ) -> None:
         self.path, self.job, self.schedule_for = Path(path), job, schedule_for
+        self.checkpoints = checkpoints
         self.failed: set[Worker] = set()
         self.version = 0
+        self.restore: Restore | None = None
+        self.joined: dict[str, int] = {}  # the last published `joined_at`
 
-    def _publish(self) -> int:
+    def _publish(self, restore: bool = False) -> int:
         self.version += 1
-        publish(self.path, self.version, self.schedule_for(frozenset(self.failed)))
+        alive = [(d, s) for d in range(self.job.num_pipelines) for s in range(self.job.num_stages)
+                 if (d, s) not in self.failed]  # fmt: skip
+        before = {} if restore else self.joined  # a restore version: everyone joins anew
+        self.joined = {k: before.get(k, self.version) for k in (f"{d},{s}" for d, s in alive)}
+        policy = "auto" if self.checkpoints is not None else None
+        schedule = self.schedule_for(frozenset(self.failed))
+        publish(self.path, self.version, schedule, restore=self.restore, restore_policy=policy,
+                joined_at=self.joined)  # fmt: skip
         logger.info("published schedule v%d for failed %s", self.version, sorted(self.failed))
         return self.version
+
+    def _publish_restore(self) -> int:
+        """Every worker alive again, restore epoch + 1 from the newest complete checkpoint."""
+        from runtime_adapter import checkpoint
+
+        assert self.checkpoints is not None
+        k = checkpoint.latest_complete(self.checkpoints, self.job.num_stages)  # type: ignore[arg-type]
+        self.failed.clear()
+        epoch = 1 if self.restore is None else self.restore.epoch + 1
+        self.restore = Restore(epoch, k, self.version + 1)
+        logger.warning("restore epoch %d from %s", epoch, "scratch" if k is None else f"iteration {k}")
+        return self._publish(restore=True)
 
     def start(self) -> None:
         """See Publisher.start."""
@@ -113,25 +190,27 @@ class FilePublisher:
         """See Publisher.worker_args."""
         return ["--schedule-file", str(self.path)]
 
-    def report(self, kind: str, workers: Sequence[Worker], reason: str = "") -> Outcome:
-        """See Publisher.report. An unrecoverable set is not published (the launcher restores)."""
+    def report(
+        self, kind: str, workers: Sequence[Worker], reason: str = "", event_id: str | None = None
+    ) -> Outcome:
+        """See Publisher.report. An unrecoverable set publishes a restore version when checkpointing
+        is on (the outcome names the lost stages either way), else nothing."""
         if kind == "fail":
             self.failed.update(workers)
         elif kind == "rejoin":
             self.failed.difference_update(workers)
         lost = lost_stages(frozenset(self.failed), self.job.num_pipelines, self.job.num_stages)
         if lost:
-            return Outcome(None, lost)
+            return Outcome(self._publish_restore() if self.checkpoints is not None else None, lost)
         return Outcome(self._publish())
 
     def flush(self) -> list[int]:
         """Nothing is ever pending."""
         return []
 
-    def restored(self) -> int:
-        """See Publisher.restored."""
-        self.failed.clear()
-        return self._publish()
+    def latest_restore(self) -> Restore | None:
+        """See Publisher.latest_restore."""
+        return self.restore
 
     def finish(self) -> None:
         """Nothing to do."""

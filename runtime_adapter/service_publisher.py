@@ -1,7 +1,10 @@
-"""The launcher as the controller of its job on the planner service (`ServicePublisher`).
+"""The launcher as the controller of its job on the planner service, or an agent attached to a job
+with its worker token (`ServicePublisher`).
 
 It registers the job (or attaches to one), posts `fail` / `rejoin` events with unique event_ids, and
-lets the service pick and version the schedules that the workers long-poll. Events the service could
+lets the service pick and version the schedules that the workers long-poll. It follows the job's
+versions (supervisor_follow.py: a long-poll of the full schedule, never a heartbeat) so that its
+supervisor learns of the restores the service publishes when a stage is lost. Events the service could
 not take (unreachable, 5xx) wait in an outbox and are re-sent with the same event_id, which the
 service applies once. Retries wait with exponential backoff and full jitter (backoff.py); the
 registration carries an Idempotency-Key, so a retry after a lost answer does not register a second job.
@@ -26,7 +29,8 @@ from typing import Any
 from planner.contract import JobSpec
 from runtime_adapter.assignment import Worker
 from runtime_adapter.backoff import Backoff
-from runtime_adapter.publishers import Outcome, PublisherError
+from runtime_adapter.publishers import Outcome, PublisherError, Restore
+from runtime_adapter.supervisor_follow import VersionFollower
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +53,10 @@ class ServicePublisher:
         worker_token: str | None = None,
         timeout_s: float = 30.0,
         rng: random.Random | None = None,
+        restore_policy: str | None = None,
     ) -> None:
+        """`restore_policy` ("auto" / "manual", default: the service's, auto): whether the service
+        restores a lost stage from the checkpoints by itself."""
         self.base, self.token, self.job = url.rstrip("/"), controller_token, job
         self.registration: dict[str, Any] = {
             "job": json.loads(job.model_dump_json()),
@@ -57,6 +64,8 @@ class ServicePublisher:
             "heartbeat_enabled": heartbeat_enabled,
             "heartbeat_timeout_s": heartbeat_timeout_s,
         }
+        if restore_policy is not None:
+            self.registration["restore_policy"] = restore_policy
         self.job_id: str | None = job_id  # the registered (or attached) job, once start() returned
         self.worker_token, self.timeout_s = worker_token, timeout_s
         self.rng = rng if rng is not None else random.Random()
@@ -67,6 +76,8 @@ class ServicePublisher:
         self.outbox: list[dict[str, Any]] = []
         self.version = 0
         self.answers: list[tuple[int, dict[str, Any]]] = []
+        self.follower: VersionFollower | None = None  # started by start(); stopped by finish()
+        self.answered_restore: Restore | None = None  # the newest restore an event's answer named
 
     def _call(
         self,
@@ -122,6 +133,7 @@ class ServicePublisher:
             if status != 200:
                 raise PublisherError(f"job {self.job_id}: HTTP {status} {answer}")
             self.version = int(answer["version"])
+            self._follow()
             return
         # One key per registration, the same on every retry: if the service committed the job but its
         # answer was lost (timeout, reset), the retry gets that job back instead of a second one.
@@ -132,6 +144,26 @@ class ServicePublisher:
         self.job_id, self.worker_token = answer["id"], answer["worker_token"]
         self.version = int(answer["version"])
         logger.info("job %s registered on %s (v%d)", self.job_id, self.base, self.version)
+        self._follow()
+
+    def _follow(self) -> None:
+        assert self.job_id is not None
+        self.follower = VersionFollower(self.base, self.job_id, self.token).start()
+
+    def latest_restore(self) -> Restore | None:
+        """See Publisher.latest_restore: the newest restore of the versions followed or of the event
+        answers (an event that lost a stage answers with the restore it caused)."""
+        latest = None if self.follower is None else self.follower.latest
+        followed = None if latest is None else latest.restore
+        answered = self.answered_restore
+        if followed is None or (answered is not None and answered.epoch > followed.epoch):
+            return answered
+        return followed
+
+    def job_state(self) -> str | None:
+        """The state of the newest version followed (None: none seen yet)."""
+        latest = None if self.follower is None else self.follower.latest
+        return None if latest is None else latest.state
 
     def worker_args(self) -> list[str]:
         """See Publisher.worker_args."""
@@ -139,10 +171,12 @@ class ServicePublisher:
         # `--flag=value`: a value starting with "-" (url-safe tokens can) is not taken for a flag
         return [f"--service={self.base}", f"--job-id={self.job_id}", f"--token={self.worker_token}"]
 
-    def report(self, kind: str, workers: Sequence[Worker], reason: str = "") -> Outcome:
+    def report(
+        self, kind: str, workers: Sequence[Worker], reason: str = "", event_id: str | None = None
+    ) -> Outcome:
         """Post the event now, or queue it (same event_id) while the service is unreachable."""
         self.seq += 1
-        event_id = f"{self.run_id}-{self.seq}"
+        event_id = event_id or f"{self.run_id}-{self.seq}"
         event: dict[str, Any] = {
             "event_id": event_id,
             "kind": kind,
@@ -155,6 +189,8 @@ class ServicePublisher:
 
     def flush(self) -> list[int]:
         """See Publisher.flush."""
+        if self.follower is not None and self.follower.error is not None:
+            raise PublisherError(f"the service refused us: {self.follower.error}")
         if not self.outbox or time.monotonic() < self.retry_at:
             return []
         return sorted({s for o in self._drain().values() for s in o.lost_stages})
@@ -187,7 +223,12 @@ class ServicePublisher:
             self.answers.append((status, answer))
             if status == 200:
                 self.version = max(self.version, int(answer["version"]))
-                outcomes[event["event_id"]] = Outcome(int(answer["version"]))
+                lost = [int(x) for x in answer.get("unrecoverable_stages") or []]
+                outcomes[event["event_id"]] = Outcome(int(answer["version"]), lost)
+                restore = Restore.from_envelope(answer)
+                if restore is not None and (self.answered_restore is None or
+                                            restore.epoch > self.answered_restore.epoch):  # fmt: skip
+                    self.answered_restore = restore
             elif status == 409 and answer.get("error") == "unrecoverable":
                 logger.error("event %s: unrecoverable, stages %s lost", event["event_id"], answer["stages"])
                 outcomes[event["event_id"]] = Outcome(None, [int(s) for s in answer["stages"]])
@@ -201,10 +242,13 @@ class ServicePublisher:
         return False
 
     def finish(self) -> None:
-        """Deliver what the outbox still holds (best effort). The heartbeat stays on: workers that
-        completed posted `done` themselves, so the service neither declares them failed nor needs
-        to be told anything else (the job is `finished` once every alive worker is done)."""
-        self.flush()
+        """Stop following; deliver what the outbox still holds (best effort). The heartbeat stays on:
+        workers that completed posted `done` themselves, so the service neither declares them failed
+        nor needs to be told anything else (the job is `finished` once every alive worker is done)."""
+        if self.follower is not None:
+            self.follower.stop()
+        if self.outbox and time.monotonic() >= self.retry_at:
+            self._drain()
 
     def status(self) -> dict[str, Any]:
         """GET /v1/jobs/{id}."""
@@ -213,25 +257,12 @@ class ServicePublisher:
             raise PublisherError(f"job {self.job_id}: HTTP {status} {answer}")
         return answer
 
-    def _deliver_by(self, deadline: float) -> None:
-        """Deliver the outbox, retrying until `deadline` (monotonic seconds)."""
+    def deliver(self, timeout_s: float) -> None:
+        """Deliver the outbox, retrying for up to `timeout_s` (PublisherError if it could not)."""
+        deadline = time.monotonic() + timeout_s
         self.flush()
         while self.outbox:
             if time.monotonic() > deadline:
                 raise PublisherError(f"service unreachable: events {self.outbox} not delivered")
             time.sleep(max(0.0, self.retry_at - time.monotonic()))
             self.flush()
-
-    def restored(self) -> int:
-        """Rejoin every worker the service has as failed, so that the job leaves needs_restore."""
-        deadline = time.monotonic() + self.timeout_s
-        self._deliver_by(deadline)
-        doc = self.status()
-        if doc["failed"]:
-            self.report("rejoin", [(int(d), int(s)) for d, s in doc["failed"]], "restored from a checkpoint")
-            self._deliver_by(deadline)
-            doc = self.status()
-        if doc["state"] != "running":
-            raise PublisherError(f"job {self.job_id} is still {doc['state']} after the rejoin: {doc}")
-        self.version = int(doc["version"])
-        return self.version

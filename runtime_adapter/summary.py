@@ -23,8 +23,9 @@ class LaunchEvent:
     """Something the launcher did or saw (monotonic time `t`).
 
     kind: "died" (a worker exited non-zero; `iteration` is the one it was running, `code` its exit
-    code), "rejoin" (a worker came back), "restore" (every worker restarted; `checkpoint` is the
-    stepped count of the checkpoint they resume from, None: from scratch; `why` the reason).
+    code), "rejoin" (a worker came back), "restore" (every worker takes a restore epoch: the ones not
+    running, `restarted`, are started again, the others load in place; `checkpoint` is the stepped
+    count of the checkpoint they restore, None: from scratch; `why` the reason).
     `version_before` is the newest schedule version when it happened."""
 
     t: float
@@ -35,6 +36,7 @@ class LaunchEvent:
     code: int | None = None
     checkpoint: int | None = None
     why: str = ""
+    restarted: tuple[Worker, ...] = ()
 
 
 def recovery_s(event: LaunchEvent, version_seen: dict[int, float]) -> float | None:
@@ -64,6 +66,13 @@ def event_label(event: LaunchEvent) -> str:
         return f"{who} re-joined"
     start = "scratch" if event.checkpoint is None else f"iteration {event.checkpoint}"
     return f"restore from {start}"
+
+
+def restarted(event: LaunchEvent) -> str:
+    """Which workers a restore restarted: "restarting [0, 1], [1, 1]" or "no process restarted"."""
+    if not event.restarted:
+        return "no process restarted"
+    return "restarting " + ", ".join(str(list(w)) for w in event.restarted)
 
 
 def summarize(
@@ -101,5 +110,5 @@ def summarize(
             if e.checkpoint is None
             else f"from iteration {e.checkpoint}"
         )
-        lines.append(f"    {e.why}: every worker restarted {start}: {_took(e, version_seen)}")
+        lines.append(f"    {e.why}: restored {start}, {restarted(e)}: {_took(e, version_seen)}")
     return lines

@@ -12,30 +12,35 @@ On every new version (a failure, a re-join, a better plan) each alive worker:
    parameters and tells the schedule source it is done (with the service: a `done` event, after which
    its silence is not a failure and the job turns `finished` once every alive worker is done).
 
-A version whose job state is `needs_restore` (a whole stage lost) ends the process with
-EXIT_NEEDS_RESTORE: the launcher restarts every worker with `resume` from the newest complete
-checkpoint (checkpoint.py), which the lowest alive worker of each stage writes every
-`checkpoint_every` stepped iterations.
+Restores and fencing (incarnation.py): a version with a `restore` epoch above the process's own
+makes it load that checkpoint (checkpoint.py; written by the lowest alive worker of each stage every
+`checkpoint_every` stepped iterations and reported through `on_checkpoint`) into its live module and
+optimizer, or re-initialise them, and then recover as above: survivors are not restarted. A
+`needs_restore` version is waited out under restore policy "auto" (the restore version follows) and
+ends the process with EXIT_NEEDS_RESTORE otherwise. A version listing this worker alive since another
+version than the one it joined at (and no newer restore) ends it with EXIT_DROPPED, touching nothing.
+A process restarted for a restore starts with `resume_at` (the checkpoint) and `restore_epoch`.
+
+The checkpoint side (writing, loading, restoring in place) is worker_restore.py; the options, exit
+codes, fault injection and log prefix are worker_options.py (their names stay importable from here).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from runtime_adapter import checkpoint, store
+from runtime_adapter import store
 from runtime_adapter.accounting import Accounting, acct_path
-from runtime_adapter.assignment import Assignment, Worker
+from runtime_adapter.assignment import Assignment
 from runtime_adapter.client import ScheduleClient, ScheduleSource, SourceRejected
 from runtime_adapter.comm import (
     GroupReaper,
@@ -45,81 +50,37 @@ from runtime_adapter.comm import (
     broadcast_bytes,
 )
 from runtime_adapter.devices import activate, resolve_device, wire_device
-from runtime_adapter.entry import DEFAULT_ENTRY, load_entry
+from runtime_adapter.entry import load_entry
 from runtime_adapter.executor import Executor
-from runtime_adapter.lowering import Instr
+from runtime_adapter.incarnation import Incarnation, Verdict
 from runtime_adapter.rendezvous import connect_groups
 from runtime_adapter.settings import runtime_settings
 from runtime_adapter.stage import StageRunner, check_training
+from runtime_adapter.worker_options import (
+    EXIT_DROPPED,
+    EXIT_NEEDS_RESTORE,
+    EXIT_REJECTED,
+    LOG_CONTEXT,
+    WorkerOptions,
+    fault_hook,
+    install_log_prefix,
+)
+from runtime_adapter.worker_restore import StageCheckpoints, leave_code
 
 logger = logging.getLogger(__name__)
 
 FRESH = 1 << 40
-LOG_CONTEXT: dict[str, int] = {"v": 0, "it": 0}
 
-EXIT_NEEDS_RESTORE = 3  # the job lost a whole stage: restart every worker from a checkpoint
-EXIT_DROPPED = 4  # the schedule lists this (alive) worker as failed
-EXIT_REJECTED = 5  # the schedule source refused this worker (401/403/404): retrying cannot help
-
-
-@dataclass
-class WorkerOptions:
-    """Everything one worker process needs."""
-
-    worker: Worker
-    num_pipelines: int
-    num_stages: int
-    num_microbatches: int
-    num_iterations: int
-    model: dict[str, Any]  # the entry point's keyword arguments
-    store_host: str
-    store_port: int
-    out_dir: Path
-    backend: str = "gloo"
-    entry: str = DEFAULT_ENTRY  # package.module:function returning the Training
-    device: str = "cpu"  # cpu, cuda, cuda:N (devices.resolve_device)
-    check_data: bool = False  # read every micro-batch twice and compare
-    run_id: str = ""  # store keys live under recycle/<run_id>/: runs sharing a store never meet
-    rejoin: bool = False
-    fail_at: tuple[int, str] | None = None
-    standby_key: str | None = None
-    checkpoint_dir: Path | None = None
-    checkpoint_every: int = 0  # stepped iterations between checkpoints; 0: none
-    resume: bool = False  # start from the newest complete checkpoint in checkpoint_dir
-    pace_ms: float = 0.0  # sleep so that an iteration takes at least this long (tests, demos)
-
-
-def fault_hook(fail_at: tuple[int, str] | None) -> Any:
-    """A hook that kills this process (SIGKILL, no clean-up) before the first `phase` instruction of
-    its `it`-th iteration, counted from the first iteration this process runs (a re-joiner's start);
-    phase is F, B, W, BW, OPT (right before the gradient all-reduce) or REDUCED (right after it: the
-    peers step, this worker dies before its `step` record; with global-norm clipping the peers then
-    wait for its norm and nobody steps)."""
-    if fail_at is None:
-        return None
-    it, phase = fail_at
-    first: list[int] = []
-
-    def hook(iteration: int, ins: Instr) -> None:
-        if not first:
-            first.append(iteration)
-        if iteration - first[0] == it and ins.kind == phase:
-            logger.warning("fault injection: SIGKILL at iteration %d before %s", iteration, ins)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return hook
-
-
-def install_log_prefix(worker: Worker) -> None:
-    """Prefix every log line of this process with `[d,s v=<version> it=<iteration>]`."""
-
-    class _Prefix(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            record.msg = f"[{worker[0]},{worker[1]} v={LOG_CONTEXT['v']} it={LOG_CONTEXT['it']}] {record.msg}"
-            return True
-
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_Prefix())
+__all__ = [
+    "EXIT_DROPPED",
+    "EXIT_NEEDS_RESTORE",
+    "EXIT_REJECTED",
+    "LOG_CONTEXT",
+    "WorkerOptions",
+    "WorkerProcess",
+    "fault_hook",
+    "install_log_prefix",
+]
 
 
 class WorkerProcess:
@@ -151,26 +112,22 @@ class WorkerProcess:
             on_error=lambda _: self.executor.interrupt(FRESH),
         )
         self.fresh = opts.rejoin
+        self.incarnation = Incarnation(epoch=opts.restore_epoch)
         self.acct = Accounting(acct_path(opts.out_dir, opts.worker), runner.is_last)
         self.reaper = GroupReaper()
         self.groups: list[Groups] = []  # built and not yet retired, oldest first
+        # A stage checkpoint at this stepped count is durable (called by the writer, from any thread):
+        # the source is told without blocking (the service: a `checkpoint` event with the worker token;
+        # a schedule file: nothing, the launcher reads the directory). A fenced process tells nothing.
+        self.on_checkpoint: Callable[[int], None] = self._report_checkpoint
+        self.checkpoints = StageCheckpoints(opts, self.executor, self._log, lambda k: self.on_checkpoint(k))
+
+    def _report_checkpoint(self, stepped: int) -> None:
+        if not self.incarnation.fenced:
+            self.client.report_checkpoint(stepped)
 
     def _log(self, record: dict[str, Any]) -> None:
         self.acct.write(record)
-
-    def resume(self) -> int | None:
-        """Load this stage's part of the newest complete checkpoint; its stepped count (None: none)."""
-        directory, stage = self.opts.checkpoint_dir, self.opts.worker[1]
-        if directory is None:
-            return None
-        k = checkpoint.latest_complete(directory, self.opts.num_stages)
-        if k is None:
-            logger.warning("no complete checkpoint in %s: starting from scratch", directory)
-            return None
-        self.executor.load_state(checkpoint.load_stage(directory, stage, k), k)
-        logger.info("resumed from the checkpoint at %d stepped iterations", k)
-        self._log({"event": "resume", "stepped": k})
-        return k
 
     def run(self) -> int:
         """Train until `num_iterations` are stepped by every alive worker; the process exit code
@@ -186,7 +143,10 @@ class WorkerProcess:
     def _run(self) -> int:
         version = 0
         if self.opts.resume:
-            self.resume()
+            self.checkpoints.resume_newest()
+        elif self.opts.resume_at is not None:
+            self.checkpoints.load(self.opts.resume_at)
+            self._log({"event": "resume", "stepped": self.opts.resume_at, "epoch": self.incarnation.epoch})
         if self.opts.standby_key is not None:
             version = self._wait_standby() - 1
         self.client.start()
@@ -195,14 +155,19 @@ class WorkerProcess:
             if a is None:
                 raise TimeoutError(f"no schedule version above {version} within {self.settings.version_wait}")
             version = LOG_CONTEXT["v"] = a.version
-            if a.state == "needs_restore":
-                logger.error("schedule v%d: the job needs a restore from a checkpoint: stopping", a.version)
+            verdict = self.incarnation.judge(a, self.fresh)
+            if verdict is Verdict.WAIT:
+                if a.state == "needs_restore":
+                    logger.warning(
+                        "schedule v%d: a stage is lost; waiting for the restore version", a.version
+                    )
+                continue  # (a re-joiner waits for the version that includes it)
+            code = leave_code(verdict, a, self.incarnation.joined)
+            if code is not None:
+                return code
+            if verdict is Verdict.RESTORE and not self._restore_in_place(a):
                 return EXIT_NEEDS_RESTORE
-            if not a.alive:
-                if self.fresh:
-                    continue  # a re-joiner waits for the version that includes it
-                logger.error("schedule v%d lists this worker as failed: leaving", a.version)
-                return EXIT_DROPPED
+            self.incarnation.took_part(a)
             try:
                 self._recover(a)
                 self._train(a)
@@ -214,6 +179,19 @@ class WorkerProcess:
         self._save()
         self.client.done()  # stop polling; the service must not take the silence for a failure
         return 0
+
+    def _restore_in_place(self, a: Assignment) -> bool:
+        """Take `a`'s restore without a restart (StageCheckpoints.load_restore), then belong to its
+        epoch; False when this process cannot (no checkpoint directory)."""
+        assert a.restore is not None
+        if not self.checkpoints.load_restore(a):
+            return False
+        self.incarnation.restored(a)
+        self.fresh = False
+        k = a.restore.iteration
+        record = {"event": "resume", "stepped": k or 0, "epoch": a.restore.epoch, "version": a.version}
+        self._log({**record, "in_place": True})
+        return True
 
     def _wait_standby(self) -> int:
         """A warm standby: wait until the launcher sets the standby key (the version to join); the
@@ -307,7 +285,7 @@ class WorkerProcess:
             # The record right after the step ("stepping" was written before the all-reduce): a kill
             # during the checkpoint or the pause below must not leave a step unconfirmed.
             self.acct.step(rec)
-            self._maybe_checkpoint(a)
+            self.checkpoints.maybe_save(a)
             pause = self.opts.pace_ms / 1e3 - (time.monotonic() - t0)
             if pause > 0:
                 time.sleep(pause)
@@ -316,20 +294,9 @@ class WorkerProcess:
         if done < self.opts.num_iterations:
             raise RuntimeError(f"final check: some worker has only {done} stepped iterations")
 
-    def _maybe_checkpoint(self, a: Assignment) -> None:
-        """Every `checkpoint_every` stepped iterations the lowest alive worker of the stage writes it
-        (its peers hold bitwise-equal state, so one copy per stage suffices)."""
-        every, directory, ex = self.opts.checkpoint_every, self.opts.checkpoint_dir, self.executor
-        if every <= 0 or directory is None or ex.stepped % every or not a.stage_alive:
-            return
-        if a.stage_alive[0] != self.opts.worker:
-            return
-        stage = self.opts.worker[1]
-        checkpoint.save_stage(directory, stage, ex.stepped, ex.module.state_dict(), ex.optimizer.state_dict())
-        self._log({"event": "checkpoint", "stepped": ex.stepped, "version": a.version})
-
     def _save(self) -> None:
         d, s = self.opts.worker
+        self.checkpoints.close()  # the last checkpoint's write (and its report) before leaving
         torch.save(self.executor.module.state_dict(), self.opts.out_dir / f"final_{d}_{s}.pt")
         self.reaper.drain(self.settings.group_timeout.total_seconds())
         self._log({"event": "done", "stepped": self.executor.stepped, **self._resources()})

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.cli import main
+from recycle_cli import main
 from tests.jobs import uniform_job
 
 pytestmark = pytest.mark.timeout(60)

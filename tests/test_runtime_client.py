@@ -309,3 +309,63 @@ def test_service_publisher_finish_keeps_the_heartbeat_and_drops_events_of_a_fini
         assert outcome.version == 5 and outcome.lost_stages == [] and not pub.outbox
         pub.finish()
     assert seen == [("POST", "/v1/jobs/j/events")]
+
+
+def view_doc(**extra: Any) -> dict[str, Any]:
+    """A service worker view of [0, 1] (D=2, P=2, M=1) with the restore protocol's fields in `extra`."""
+    return {
+        "version": 4, "state": "running", "worker": [0, 1], "alive": True, "failed": [],
+        "stage_alive": [[0, 1], [1, 1]], "routes": [{"mb": [0, 0], "prev_host": [0, 0], "next_host": None}],
+        "actions": [{"op": "F", "mb": [0, 0]}, {"op": "BW", "mb": [0, 0]}, {"op": "OPT"}], **extra,
+    }  # fmt: skip
+
+
+def test_restore_fields_of_a_worker_view_and_of_a_schedule_file(tmp_path: Any) -> None:
+    from planner.contract import FailureScenario
+    from planner.plan import plan
+    from runtime_adapter.assignment import RestorePoint, assignment_from_view
+    from runtime_adapter.client import FileScheduleSource
+
+    a = assignment_from_view(view_doc(), 2, 2, 1)  # an older service: none of them
+    assert (a.restore, a.restore_policy, a.joined_at) == (None, "manual", None)
+    doc = view_doc(restore={"epoch": 2, "iteration": None}, restore_policy="auto", joined_at=4)
+    a = assignment_from_view(doc, 2, 2, 1)
+    assert (a.restore, a.restore_policy, a.joined_at) == (RestorePoint(2, None), "auto", 4)
+    job = tiny_job(2, 2, 1)
+    schedule = plan(job, FailureScenario(failed=[(1, 1)]), use_cpsat=False).schedule
+    path = tmp_path / "schedule.json"
+    path.write_text(json.dumps({
+        "version": 3, "state": "running", "restore": {"epoch": 1, "iteration": 6},
+        "joined_at": {"0,0": 3, "0,1": 3, "1,0": 3},
+        "schedule": json.loads(schedule.model_dump_json(exclude_none=True)),
+    }))  # fmt: skip
+    a = FileScheduleSource(path, (0, 1), 2, 1).fetch(0, timedelta(0))
+    assert a is not None and (a.restore, a.restore_policy, a.joined_at) == (RestorePoint(1, 6), "manual", 3)
+    dead = FileScheduleSource(path, (1, 1), 2, 1).fetch(0, timedelta(0))
+    assert dead is not None and not dead.alive and dead.joined_at is None
+
+
+def test_checkpoint_reports_are_posted_in_order_and_delivered_before_done() -> None:
+    """on_checkpoint -> ScheduleClient.report_checkpoint: a `checkpoint` event per report (worker token,
+    retried with the same event_id on 503), from a thread of its own, all delivered before `done`."""
+    answers: list[Answer] = [(503, {"detail": "restarting"})]
+
+    def answer(h: BaseHTTPRequestHandler) -> Answer:
+        return answers.pop(0) if answers else (200, {"version": 1, "state": "running"})
+
+    with stub(answer) as server:
+        src = source(server.url)
+        client = ScheduleClient(src)
+        t0 = time.monotonic()
+        client.report_checkpoint(2)
+        client.report_checkpoint(4)
+        assert time.monotonic() - t0 < 0.5  # the caller never waits for the network
+        assert client.done() is True
+        src.close()
+    posts = [json.loads(b) for m, p, _, b in server.requests if m == "POST"]
+    kinds = [(p["kind"], p.get("iteration")) for p in posts]
+    assert kinds == [("checkpoint", 2), ("checkpoint", 2), ("checkpoint", 4), ("done", None)], kinds
+    assert posts[0] == posts[1] and posts[0]["workers"] == [[0, 1]]  # the retry: the same event_id
+    assert (
+        posts[0]["event_id"].startswith("checkpoint-0.1-2-") and posts[2]["event_id"] != posts[0]["event_id"]
+    )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.cli import main
+from recycle_cli import main
 from runtime_adapter.launch_spec import LaunchSpec
 from tests.jobs import uniform_job
 from whatif.cache import PlanCache
@@ -54,7 +54,9 @@ if mode == "lose-stage-1":
 def fake_workers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     mode = ["ok"]
 
-    def command(self: LaunchSpec, worker: tuple[int, int], store_port: int, *args: object) -> list[str]:
+    def command(
+        self: LaunchSpec, worker: tuple[int, int], store_port: int, *args: object, **kwargs: object
+    ) -> list[str]:
         return [sys.executable, "-c", FAKE_WORKER, str(self.out_dir), str(worker[0]), str(worker[1]), mode[0]]
 
     monkeypatch.setattr(LaunchSpec, "command", command)
@@ -186,18 +188,22 @@ def test_help_states_defaults_and_points_at_docs_contract(capsys: pytest.Capture
 def test_restores_without_a_complete_checkpoint_start_from_iteration_0(
     inputs: tuple[str, str], fake_workers: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Checkpointing on, but no checkpoint written (stand-in workers): every restore restarts from
-    iteration 0 and says so; stage 1 is lost again each time, so the 4th loss gives up (exit 1)."""
+    """Checkpointing on, but no checkpoint written (stand-in workers): every restore version says
+    `iteration: null` and the launcher restarts the workers that are not running from iteration 0
+    (survivors that load in place keep running: stand-ins just sleep); stage 1 is lost again each
+    time, so the 4th loss gives up (exit 1)."""
+
     fake_workers[0] = "lose-stage-1"
     assert main(launch(inputs, tmp_path / "run", "--iterations", "3", "--checkpoint-every", "1")) == 1
     out, err = capsys.readouterr()
-    assert (
-        out.count("stage(s) [1] lost (all their workers failed): restarting every worker from iteration 0")
-        == 3
-    )
+    restarting = "[0, 1], [1, 1]"  # only the dead stage-1 workers: the survivors load in place
+    line = f"stage(s) [1] lost (all their workers failed): restore from iteration 0, restarting {restarting}"
+    assert out.count(line) == 3, out
     assert "more than 3 restores, giving up" in err and "Traceback" not in out + err
     assert "restores from a checkpoint: 3" in out
-    assert "every worker restarted from scratch (no complete checkpoint)" in out
+    assert f"restored from scratch (no complete checkpoint), restarting {restarting}" in out
+    doc = json.loads((tmp_path / "run" / "schedule.json").read_text())
+    assert doc["restore"] == {"epoch": 4, "iteration": None} and doc["state"] == "running", doc
 
 
 def test_a_store_port_in_use_is_bad_input(

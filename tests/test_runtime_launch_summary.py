@@ -86,7 +86,9 @@ def test_summary_names_failures_recoveries_and_restores() -> None:
     died = LaunchEvent(10.0, "died", (1, 1), 1, iteration=3, code=-9)
     early = LaunchEvent(11.0, "died", (0, 0), 2, iteration=None, code=-9)
     rejoin = LaunchEvent(12.0, "rejoin", (1, 1), 2)
-    restore = LaunchEvent(20.0, "restore", None, 3, checkpoint=4, why="stage(s) [1] lost")
+    restore = LaunchEvent(
+        20.0, "restore", None, 3, checkpoint=4, why="stage(s) [1] lost", restarted=((0, 1), (1, 1))
+    )
     seen = {1: 0.5, 2: 10.25, 4: 23.5}
     assert recovery_s(died, seen) == 0.25
     assert recovery_s(early, {1: 0.5, 2: 10.25}) is None
@@ -98,7 +100,8 @@ def test_summary_names_failures_recoveries_and_restores() -> None:
         "    worker [0, 0] died before its first step (exit -9) under v2: training again after 12.50 s",
         "  re-joins: 1 ([1, 1])",
         "  restores from a checkpoint: 1",
-        "    stage(s) [1] lost: every worker restarted from iteration 4: training again after 3.50 s",
+        "    stage(s) [1] lost: restored from iteration 4, restarting [0, 1], [1, 1]: training again after "
+        "3.50 s",
     ]
     quiet = summarize([], {}, 5, 5, 1)
     assert quiet == [

@@ -1,8 +1,8 @@
 """Workers and launcher against the real planner service (uvicorn on 127.0.0.1, data dir in tmp).
 
-The launcher is the job's controller (ServicePublisher: registration, fail / rejoin events); the
-workers long-poll their schedule over HTTP (HttpScheduleSource) and post `done` when they completed,
-so the job ends `finished` with its heartbeat still on.
+The launcher is the job's controller (ServicePublisher: registration, fail / rejoin events, following
+the job's versions for restores); the workers long-poll their schedule over HTTP (HttpScheduleSource)
+and post `done` when they completed, so the job ends `finished` with its heartbeat still on.
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.mark.timeout(60)
 def test_client_answers_304_needs_restore_and_stops_on_401_403_404(service: str) -> None:
     job = tiny_job(2, 2)
-    pub = ServicePublisher(service, TOKEN, job, max_failures=0, heartbeat_enabled=False)
+    pub = ServicePublisher(
+        service, TOKEN, job, max_failures=0, heartbeat_enabled=False, restore_policy="manual"
+    )
     pub.start()
     assert pub.job_id is not None and pub.worker_token is not None
     ok = HttpScheduleSource(service, pub.job_id, pub.worker_token, (0, 1), 2, 2, 4)
@@ -87,7 +89,7 @@ def test_client_answers_304_needs_restore_and_stops_on_401_403_404(service: str)
     assert pub.report("fail", [(1, 1)]).lost_stages == [1]  # 409: the job needs a restore
     a = ok.fetch(2, timedelta(seconds=1))
     assert a is not None and a.version == 3 and a.state == "needs_restore"
-    assert pub.restored() == 4  # rejoins both: running again
+    assert pub.report("rejoin", [(0, 1), (1, 1)]).version == 4  # manual policy: rejoins restore it
     a = ok.fetch(3, timedelta(seconds=1))
     assert a is not None and a.state == "running" and a.alive and not a.failed
     pub.base = f"http://127.0.0.1:{free_port()}"  # the service is unreachable: events wait in the outbox
@@ -97,7 +99,8 @@ def test_client_answers_304_needs_restore_and_stops_on_401_403_404(service: str)
     pub.base = service
     time.sleep(max(0.0, pub.retry_at - time.monotonic()))  # the outbox waits its jittered backoff
     assert pub.flush() == [1] and not pub.outbox  # delivered in order; the second one answered 409
-    assert pub.restored() == 7 and pub.status()["state"] == "running"
+    assert pub.report("rejoin", [(0, 1), (1, 1)]).version == 7 and pub.status()["state"] == "running"
+    assert pub.latest_restore() is None  # manual: no restore version was published
     other = ServicePublisher(service, TOKEN, job, max_failures=0, heartbeat_enabled=False)
     other.start()
     assert other.worker_token is not None
@@ -152,23 +155,32 @@ def test_heartbeat_timeout_fails_a_killed_worker(
 
 
 @pytest.mark.timeout(200)
-def test_whole_stage_lost_under_the_service_restores_and_rejoins(service: str, tmp_path: Path) -> None:
-    """Both stage-1 workers die in iteration 5: the service answers 409 (needs_restore), the launcher
-    restarts everyone from the checkpoint at 4 and rejoins them so the job is running again."""
+def test_whole_stage_lost_under_the_service_is_restored_by_the_service(service: str, tmp_path: Path) -> None:
+    """Both stage-1 workers die in iteration 5 (checkpoints every 2): the launcher posts both fails,
+    the service (restore policy auto) commits needs_restore and at once a restore version, and the
+    launcher follows it: it restarts the two dead workers with --resume-at/--restore-epoch (the
+    stage-0 survivors load in place). It posts no rejoin. Final parameters equal failure-free
+    training."""
     job, n = tiny_job(2, 2), 8
-    pub = ServicePublisher(service, TOKEN, job, max_failures=1, heartbeat_enabled=False)
+    pub = ServicePublisher(
+        service, TOKEN, job, max_failures=1, heartbeat_enabled=False, restore_policy="auto"
+    )
     fail_at = {(0, 1): (5, "F"), (1, 1): (5, "F")}
     spec = LaunchSpec(job, asdict(CFG), n, tmp_path, fail_at=fail_at, checkpoint_every=2)
     launcher = Launcher(spec, publisher=pub)
     launcher.start()
     codes = launcher.wait(timedelta(seconds=180))
     assert all(rc == 0 for rc in codes.values()), codes
-    assert launcher.restores == 1
-    assert any(status == 409 and a.get("error") == "unrecoverable" for status, a in pub.answers), pub.answers
+    assert launcher.restores == 1 and launcher.epoch == 1
+    (restore,) = [e for e in launcher.history if e.kind == "restore"]
+    assert restore.restarted == ((0, 1), (1, 1)), restore
+    assert "stage(s) [1] lost" in restore.why
+    assert not [e for e in launcher.history if e.kind == "rejoin"]
+    posted = [a.get("event_id", "") for _, a in pub.answers]
+    assert len(posted) == 2 and all("-fail-" in e for e in posted), posted  # two fails, no rejoin
     doc = pub.status()
     assert doc["state"] == "finished" and doc["failed"] == [], doc
-    for w in spec.workers():
-        assert [r["stepped"] for r in records(tmp_path, w) if r["event"] == "resume"] == [4], w
+    assert doc["restore"]["epoch"] == 1, doc
     assert_exactly_once(tmp_path, job, n)
     assert_matches_reference(tmp_path, job, n, spec.workers())
     assert_peers_identical(tmp_path, job)

@@ -22,7 +22,7 @@ from typing import IO, Any
 import pytest
 import torch.distributed as dist
 
-from planner.cli import main
+from recycle_cli import main
 from runtime_adapter import rendezvous
 from runtime_adapter.assignment import Assignment, Worker
 from runtime_adapter.comm import GroupReaper, allreduce_min
@@ -41,7 +41,7 @@ from tests.test_runtime_process import (
 from tests.test_runtime_service import supervise_until
 
 TIMEOUT = timedelta(seconds=20)
-STORE = [sys.executable, "-m", "planner.cli", "store", "--host", "127.0.0.1"]  # = `recycle store`
+STORE = [sys.executable, "-m", "recycle_cli", "store", "--host", "127.0.0.1"]  # = `recycle store`
 
 
 def start_store(port: int = 0) -> tuple[subprocess.Popen[str], int]:

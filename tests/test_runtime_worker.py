@@ -160,3 +160,30 @@ def test_accounting_writes_loss_fields_only_on_the_last_stage(tmp_path: Path) ->
         assert stepping["event"] == "stepping" and step["event"] == "step"
         assert stepping["it"] == step["it"] == 3 and stepping["hosted"] == step["hosted"] == [[0, 1]]
         assert ("loss_sum" in step) == last and ("loss_n" in stepping) == last
+
+
+def test_incarnation_verdicts() -> None:
+    """What a worker does with a version under the restore protocol and fencing (incarnation.py)."""
+    from dataclasses import replace
+
+    from runtime_adapter.assignment import Assignment, RestorePoint
+    from runtime_adapter.incarnation import Incarnation, Verdict
+
+    base = Assignment(2, (0, 1), 2, 2, 1, frozenset(), (), joined_at=1)
+    inc = Incarnation()
+    assert inc.judge(replace(base, state="needs_restore")) is Verdict.NEEDS_RESTORE  # policy manual
+    assert inc.judge(replace(base, state="needs_restore", restore_policy="auto")) is Verdict.WAIT
+    assert inc.judge(replace(base, failed=frozenset({(0, 1)}))) is Verdict.DROPPED
+    assert inc.judge(replace(base, failed=frozenset({(0, 1)})), fresh=True) is Verdict.WAIT
+    assert inc.judge(base) is Verdict.RUN
+    inc.took_part(base)
+    assert inc.joined == 1 and inc.judge(replace(base, version=3)) is Verdict.RUN
+    assert inc.judge(replace(base, version=3, joined_at=None)) is Verdict.RUN  # no fencing information
+    restore = replace(base, version=5, restore=RestorePoint(1, 4), joined_at=5)
+    assert inc.judge(restore) is Verdict.RESTORE
+    inc.restored(restore)
+    assert (inc.epoch, inc.joined) == (1, 5) and inc.judge(replace(restore, version=6)) is Verdict.RUN
+    assert not inc.fenced
+    assert inc.judge(replace(restore, version=8, joined_at=8)) is Verdict.FENCED and inc.fenced
+    started = Incarnation(epoch=1)  # restarted for epoch 1 with --resume-at: no reload
+    assert started.judge(restore) is Verdict.RUN

@@ -1,0 +1,147 @@
+"""The worker processes a supervisor (supervisor.py) starts on this machine: spawning them with the
+worker command line (launch_spec.py), their logs and pid files, warm standbys, bringing a failed
+worker back (a standby activated, or a restart as a fresh re-joiner, each reported as a `rejoin`),
+the history of what happened (summary.LaunchEvent), and killing them all. When to do which is the
+supervisor's policy.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from runtime_adapter.assignment import Worker
+from runtime_adapter.launch_spec import LaunchSpec
+from runtime_adapter.publishers import Publisher, Restore
+from runtime_adapter.store import StoreClient
+from runtime_adapter.summary import LaunchEvent
+
+
+class WorkerProcesses:
+    """The processes of the local workers `workers` (default: the whole job)."""
+
+    def __init__(self, spec: LaunchSpec, publisher: Publisher, workers: list[Worker] | None = None,
+                 agent_id: str = "") -> None:  # fmt: skip
+        self.spec, self.publisher = spec, publisher
+        self.local: list[Worker] = list(workers) if workers is not None else spec.workers()
+        self.agent_id = agent_id or f"launch-{spec.run_id}"
+        self.procs: dict[Worker, subprocess.Popen[bytes]] = {}
+        self.failed: set[Worker] = set()
+        self.events: list[tuple[float, str, Worker]] = []
+        self.history: list[LaunchEvent] = []
+        self.standbys: dict[Worker, list[tuple[str, subprocess.Popen[bytes]]]] = {}
+        # pid -> (its log, accounting size at start, first start of the job: not a re-join/standby/resume)
+        self._started: dict[int, tuple[Path, int, bool]] = {}
+        self.retired: list[subprocess.Popen[bytes]] = []
+        self.num_standbys = 0
+        self.store_client: StoreClient | None = None  # standby keys (set by start)
+        self._nonce = uuid.uuid4().hex[:8]  # standby keys of this supervisor never meet an earlier one's
+
+    @property
+    def version(self) -> int:
+        """The newest schedule version the publisher made (as far as this supervisor knows)."""
+        return self.publisher.version
+
+    @property
+    def store_address(self) -> tuple[str, int]:
+        """Where the workers reach the store (set by `start`)."""
+        assert self.store_client is not None, "start() first"
+        return self.store_client.addr
+
+    def acct_path(self, w: Worker) -> Path:
+        """Worker `w`'s accounting file (JSON lines, appended by every process of `w`)."""
+        return self.spec.out_dir / f"acct_{w[0]}_{w[1]}.jsonl"
+
+    def event_id(self, kind: str, w: Worker, pid: int) -> str:
+        """`agent-<agent id>-<kind>-<d>.<s>-<pid>`: unique per process, the same on every retry."""
+        return f"agent-{self.agent_id}-{kind}-{w[0]}.{w[1]}-{pid}"
+
+    def spawn_all(self) -> None:
+        """Start every local worker (first starts)."""
+        for w in self.local:
+            self._spawn(w)
+
+    def _spawn(
+        self,
+        w: Worker,
+        rejoin: bool = False,
+        standby_key: str | None = None,
+        fail_at: tuple[int, str] | None = None,
+        restore: Restore | None = None,
+    ) -> subprocess.Popen[bytes]:
+        name = f"worker_{w[0]}_{w[1]}" + (
+            "" if standby_key is None else f"_standby{standby_key.rsplit('.', 1)[1]}"
+        )
+        log = (self.spec.out_dir / f"{name}.log").open("ab")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+        env["LOCAL_RANK"] = str(self.local.index(w))  # --device cuda: cuda:<LOCAL_RANK % count>
+        cmd = self.spec.command(
+            w, self.store_address[1], rejoin, standby_key, fail_at, self.publisher.worker_args(),
+            resume_at=None if restore is None else restore.iteration,
+            restore_epoch=None if restore is None else restore.epoch,
+        )  # fmt: skip
+        acct = self.acct_path(w)
+        offset = acct.stat().st_size if acct.exists() else 0
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+        first = not rejoin and restore is None and standby_key is None
+        self._started[proc.pid] = (self.spec.out_dir / f"{name}.log", offset, first)
+        if standby_key is None:
+            self._set_proc(w, proc)
+        return proc
+
+    def _set_proc(self, w: Worker, proc: subprocess.Popen[bytes]) -> None:
+        """`proc` is now worker `w`'s process; its pid goes to <out>/worker_<d>_<s>.pid."""
+        old = self.procs.get(w)
+        if old is not None and old is not proc:
+            self.retired.append(old)
+        self.procs[w] = proc
+        (self.spec.out_dir / f"worker_{w[0]}_{w[1]}.pid").write_text(f"{proc.pid}\n")
+
+    def _record(self, kind: str, w: Worker | None, **detail: object) -> None:
+        now = time.monotonic()
+        self.events.append((now, kind, w if w is not None else (-1, -1)))
+        self.history.append(LaunchEvent(now, kind, w, self.version, **detail))  # type: ignore[arg-type]
+
+    def add_standby(self, w: Worker, fail_at: tuple[int, str] | None = None) -> None:
+        """Start a warm replacement for `w` now (import, store connection); `activate` makes it join.
+        `fail_at` counts iterations from the one it joins at."""
+        self.num_standbys += 1
+        key = f"recycle/{self.spec.run_id}/activate/{w[0]}.{w[1]}.{self._nonce}.{self.num_standbys}"
+        self.standbys.setdefault(w, []).append((key, self._spawn(w, True, key, fail_at)))
+
+    def activate(self, w: Worker) -> None:
+        """Bring failed worker `w` back from its next standby, under a new version."""
+        assert self.store_client is not None and w in self.failed
+        key, proc = self.standbys[w].pop(0)
+        self._set_proc(w, proc)
+        acct = self.acct_path(w)  # its steps are the ones appended from now on
+        self._started[proc.pid] = (self._started[proc.pid][0], acct.stat().st_size if acct.exists() else 0,
+                                   False)  # fmt: skip
+        self.failed.discard(w)
+        self._record("rejoin", w)
+        self.publisher.report("rejoin", [w], "warm standby activated", self.event_id("rejoin", w, proc.pid))
+        self.store_client.set(key, str(self.version))
+
+    def restart(self, w: Worker) -> None:
+        """Start a failed worker again: it re-joins from a peer under the next version."""
+        self.failed.discard(w)
+        proc = self._spawn(w, rejoin=True)
+        self._record("rejoin", w)
+        self.publisher.report("rejoin", [w], "restarted", self.event_id("rejoin", w, proc.pid))
+
+    def kill(self, w: Worker) -> None:
+        """SIGKILL a worker (fault injection from outside)."""
+        self.procs[w].kill()
+
+    def terminate(self) -> None:
+        """Kill every worker (and standby) this supervisor started."""
+        spares = [p for v in self.standbys.values() for _, p in v]
+        for p in [*self.procs.values(), *spares]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
