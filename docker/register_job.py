@@ -1,6 +1,9 @@
-"""One-shot compose step: register a job with the service and write its id and worker token for workers.
+"""One-shot step (compose, Kubernetes, Slurm): register a job with the service and write its id and
+worker token for the agents.
 
-python docker/register_job.py URL JOB.json OUT.env   (controller token from RECYCLE_CONTROLLER_TOKEN)
+python docker/register_job.py URL JOB.json OUT.env [MAX_FAILURES]   (controller token from
+RECYCLE_CONTROLLER_TOKEN; MAX_FAILURES, default 1: the service plans every failure set of up to that
+many workers ahead)
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import uuid
 def main() -> int:
     """POST /v1/jobs and write RECYCLE_JOB_ID / RECYCLE_WORKER_TOKEN lines to OUT.env."""
     url, job_path, out_path = sys.argv[1:4]
+    max_failures = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     with open(job_path) as f:
-        body = json.dumps({"job": json.load(f), "max_failures": 1}).encode()
+        body = json.dumps({"job": json.load(f), "max_failures": max_failures}).encode()
     req = urllib.request.Request(
         f"{url}/v1/jobs",
         data=body,

@@ -13,6 +13,7 @@ COPY api ./api
 COPY bench ./bench
 COPY runtime_adapter ./runtime_adapter
 COPY whatif ./whatif
+COPY recycle_cli ./recycle_cli
 COPY examples ./examples
 # the compose demo's job spec and registration step
 COPY docker/tiny-d2p2.json docker/register_job.py ./docker/

@@ -4,8 +4,6 @@ parsed by the project's own argument parsers, so a renamed flag or a missing fil
 from __future__ import annotations
 
 import argparse
-import re
-import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,7 +12,7 @@ import pytest
 import yaml
 
 from api.cli import add_serve_parser
-from runtime_adapter.cli import add_store_parser, add_worker_parser
+from runtime_adapter.cli import add_store_parser
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,11 +31,6 @@ def exec_form(dockerfile: Path, instruction: str) -> list[str]:
     lines = [ln for ln in dockerfile.read_text().splitlines() if ln.startswith(instruction + " ")]
     assert lines, f"{dockerfile.name}: no {instruction}"
     return yaml.safe_load(lines[-1][len(instruction) + 1 :])
-
-
-def expand(line: str, env: dict[str, str]) -> str:
-    """Compose-escaped shell variables ($${X}, $${X:-default}) replaced by `env` values or defaults."""
-    return re.sub(r"\$\$\{(\w+)(:-(\w+))?\}", lambda m: env.get(m.group(1), m.group(3) or "x"), line)
 
 
 def subcommand_parser(add: object) -> argparse.ArgumentParser:
@@ -83,23 +76,8 @@ def test_compose_builds_and_volumes_exist() -> None:
             assert dep in doc["services"], f"{name} depends on unknown service {dep}"
 
 
-def test_compose_worker_commands_parse() -> None:
-    services = compose()["services"]
-    workers = {n: s for n, s in services.items() if n.startswith("worker-")}
-    assert len(workers) == 4
-    parser = subcommand_parser(add_worker_parser)
-    seen = set()
-    for name, svc in workers.items():
-        script = svc["command"][-1]
-        line = script.split("exec ", 1)[1]
-        argv = shlex.split(expand(line, svc["environment"]))
-        assert argv[:4] == ["python", "-m", "runtime_adapter.cli", "worker"], name
-        args = parser.parse_args(argv[3:])
-        assert (ROOT / args.job).is_file(), f"{name}: job spec {args.job} is not in the image"
-        host = args.store.rsplit(":", 1)[0]
-        assert host in services, f"{name}: store host {host} is not a compose service"
-        seen.add((args.pipeline, args.stage))
-    assert seen == {(0, 0), (0, 1), (1, 0), (1, 1)}
+# The host containers' `recycle agent` command lines (parsed by the project's parsers, every worker
+# of the job on exactly one host, store, service and checkpoint volume): tests/test_deploy.py.
 
 
 def test_compose_store_and_register_commands() -> None:
@@ -157,20 +135,20 @@ def run(module, argv):
             code = f"{type(exc).__name__}: {exc}"
     out[" ".join([module, *argv])] = [code, buf.getvalue()]
 
-run("planner.cli", ["--help"])
+run("recycle_cli", ["--help"])
 try:
-    from planner.cli import build_parser
+    from recycle_cli import build_parser
     sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
     names = list(sub.choices)
 except Exception as exc:
     names = []
     out["build_parser()"] = [f"{type(exc).__name__}: {exc}", ""]
 for name in names:
-    run("planner.cli", [name, "--help"])
+    run("recycle_cli", [name, "--help"])
 for module in sys.argv[4:]:
     run(module, ["--help"])
 for name, mod in list(sys.modules.items()):
-    if name.split(".")[0] in ("planner", "api", "runtime_adapter", "whatif", "bench"):
+    if name.split(".")[0] in ("planner", "api", "runtime_adapter", "whatif", "bench", "recycle_cli"):
         assert (getattr(mod, "__file__", None) or app).startswith(app), (name, mod.__file__)
 print(json.dumps(out))
 """
