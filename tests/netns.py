@@ -290,11 +290,14 @@ class Netns:
         return p.returncode
 
     def kill(self, name: str) -> list[subprocess.Popen[bytes]]:
-        """SIGKILL every process started in host `name` (a host crash); the ones that were running."""
+        """SIGKILL every process in host `name` (a host crash): the ones started here and every other
+        process in its namespace (their children: an agent's workers). The started ones that were
+        running."""
         hit = [p for p in self.procs[name] if p.poll() is None]
         for p in hit:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signal.SIGKILL)
+        _kill_inside(self.ns(name))
         return hit
 
     # the link
