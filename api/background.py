@@ -41,8 +41,8 @@ async def precompute(service: JobService, rt: JobRuntime) -> None:
         except Exception:
             log.exception("job %s: precompute of %s failed", rec.id, key)
             continue
-        service.metrics.solve_seconds.observe(time.perf_counter() - t0, purpose="precompute")
-        service.metrics.solves.inc(purpose="precompute", source=out.source or "error")
+        service.metrics.solve_seconds.labels(purpose="precompute").observe(time.perf_counter() - t0)
+        service.metrics.solves.labels(purpose="precompute", source=out.source or "error").inc()
         if out.error is None:
             service.store.put_plan(PlanRecord(out.key, out.canonical_json, "refined", out.iteration_time_ms))
         rec.precompute_done += 1

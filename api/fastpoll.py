@@ -110,7 +110,7 @@ async def answer_poll(app: FastAPI, scope: Scope, receive: Receive, send: Send) 
     status = 304 if body is None else 200
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body or b""})
-    service.metrics.request_seconds.observe(
-        time.perf_counter() - t0, route=ROUTE, method="GET", status=str(status)
+    service.metrics.request_seconds.labels(route=ROUTE, method="GET", status=str(status)).observe(
+        time.perf_counter() - t0
     )
     return True

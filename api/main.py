@@ -75,6 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await service.stop()
             solver.shutdown()
             store.close()
+            metrics.close()
 
     app = ServiceApp(
         title="recycle planner service",

@@ -87,9 +87,6 @@ class TimingMiddleware:
             await self.app(scope, receive, timed_send)
         finally:
             route = scope.get("route")
-            self.metrics.request_seconds.observe(
-                time.perf_counter() - t0,
-                route=getattr(route, "path", "unmatched"),
-                method=scope["method"],
-                status=str(status["code"]),
-            )
+            self.metrics.request_seconds.labels(
+                route=getattr(route, "path", "unmatched"), method=scope["method"], status=str(status["code"])
+            ).observe(time.perf_counter() - t0)

@@ -279,7 +279,7 @@ async def run(args: argparse.Namespace, base: str) -> dict[str, Any]:
             quiet.append(time.perf_counter() - t0)
             assert r.status_code == 200 and r.json()["source"] == "precomputed", r.text
         metrics = (await client.get(f"{base}/metrics")).text.splitlines()
-        cache = [ln for ln in metrics if ln.startswith("recycle_plan_cache")]
+        cache = [ln for ln in metrics if ln.startswith("recycle_plan_cache_total")]
     pool.shutdown()
     return {
         "job": job["name"],

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,6 +14,9 @@ import pytest
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from api.main import create_app
 from api.settings import Settings
@@ -224,16 +230,99 @@ def test_what_if_plan(client: TestClient) -> None:
     assert client.post("/v1/plan", json=body).status_code == 401
 
 
+def scrape(client: TestClient) -> list[Sample]:
+    """Every sample of GET /metrics, parsed by prometheus_client's own text parser."""
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"] == CONTENT_TYPE_LATEST
+    return [s for family in text_string_to_metric_families(r.text) for s in family.samples]
+
+
+def total(samples: list[Sample], name: str, **labels: str) -> float:
+    """The sum of the samples called `name` whose labels include `labels`."""
+    return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
+
+
 def test_health_ready_metrics_openapi(client: TestClient) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").status_code == 200
     text = client.get("/metrics").text
-    names = ["recycle_http_request_duration_seconds_bucket", "recycle_schedule_versions_total"]
-    names += ["recycle_connected_pollers", "recycle_plan_cache_total", "recycle_solves_total"]
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    # the names, types and help texts dashboards were built on (counters' samples end in _total)
+    expected = {
+        "recycle_http_request_duration_seconds": ("histogram", "HTTP request latency."),
+        "recycle_solves": ("counter", "Planner solves by purpose and outcome."),
+        "recycle_solve_duration_seconds": ("histogram", "Planner solve wall time."),
+        "recycle_plan_cache": ("counter", "Event plan lookups by result (hit/miss)."),
+        "recycle_schedule_versions": ("counter", "Schedule versions published."),
+        "recycle_connected_pollers": ("gauge", "Schedule long-polls waiting now."),
+        "recycle_jobs": ("gauge", "Jobs known to this process."),
+        "recycle_heartbeat_failures": ("counter", "Workers declared failed for silence."),
+    }
+    assert {name: (families[name].type, families[name].documentation) for name in expected} == expected
+    names = ["# TYPE recycle_solves_total counter", "recycle_http_request_duration_seconds_bucket{"]
+    names += ["recycle_schedule_versions_total ", "recycle_connected_pollers ", "recycle_jobs "]
     assert all(name in text for name in names)
+    requests = [
+        s for s in families["recycle_http_request_duration_seconds"].samples if s.name.endswith("_count")
+    ]
+    assert requests and all(set(s.labels) == {"route", "method", "status"} for s in requests)
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/events", "/v1/jobs/{job_id}/schedule",
             "/v1/plan", "/jobs/{job_id}"} <= set(paths)  # fmt: skip
+
+
+def test_metrics_move_with_a_new_job_and_an_event(client: TestClient) -> None:
+    events_route = {"route": "/v1/jobs/{job_id}/events", "method": "POST", "status": "200"}
+    before = scrape(client)
+    job_id, _ = new_job(client)
+    created = scrape(client)
+    assert total(created, "recycle_jobs") == total(before, "recycle_jobs") + 1
+    assert (
+        total(created, "recycle_schedule_versions_total")
+        >= total(before, "recycle_schedule_versions_total") + 1
+    )
+    posts = {"route": "/v1/jobs", "method": "POST", "status": "201"}
+    count = "recycle_http_request_duration_seconds_count"
+    assert total(created, count, **posts) == total(before, count, **posts) + 1
+    assert event(client, job_id, "metrics-f", "fail", [[2, 1]]).status_code == 200
+    after = scrape(client)
+    assert total(after, count, **events_route) == total(created, count, **events_route) + 1
+    assert total(after, "recycle_http_request_duration_seconds_bucket", le="+Inf", **events_route) == total(
+        after, count, **events_route
+    )
+    assert total(after, "recycle_plan_cache_total") >= total(created, "recycle_plan_cache_total") + 1
+    assert (
+        total(after, "recycle_schedule_versions_total")
+        >= total(created, "recycle_schedule_versions_total") + 1
+    )
+    assert client.get(f"/v1/jobs/{job_id}", headers=CTL).json()["version"] == 2
+    # every event-path solve is counted once and timed once
+    solves = total(after, "recycle_solves_total", purpose="event")
+    assert solves == total(after, "recycle_solve_duration_seconds_count", purpose="event")
+
+
+def test_metrics_in_multiprocess_mode(tmp_path: Path) -> None:
+    """With PROMETHEUS_MULTIPROC_DIR, counters add up over processes; a closed process's gauges go."""
+    script = (
+        "import sys\n"
+        "from api.metrics import Metrics\n"
+        "m = Metrics()\n"
+        "m.solves.labels(purpose='event', source='greedy').inc()\n"
+        "m.pollers.inc()\n"
+        "sys.stdout.write(m.render().decode())\n"
+        "if sys.argv[1] == 'close':\n"
+        "    m.close()\n"
+    )
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom")}
+    root = Path(__file__).resolve().parents[1]
+    outs = [
+        subprocess.run([sys.executable, "-c", script, arg], env=env, cwd=root, capture_output=True, text=True)
+        for arg in ("close", "stay")
+    ]
+    assert all(out.returncode == 0 for out in outs), [out.stderr for out in outs]
+    last = [s for f in text_string_to_metric_families(outs[1].stdout) for s in f.samples]
+    assert total(last, "recycle_solves_total", purpose="event", source="greedy") == 2
+    assert total(last, "recycle_connected_pollers") == 1  # the first process closed: its poller is gone
 
 
 def test_job_page(client: TestClient) -> None:

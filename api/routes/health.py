@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from api.deps import ServiceDep
+from api.metrics import CONTENT_TYPE
 
 router = APIRouter(tags=["health"])
 
@@ -25,6 +26,6 @@ async def readyz(request: Request) -> Response:
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-async def metrics(service: ServiceDep) -> PlainTextResponse:
+async def metrics(service: ServiceDep) -> Response:
     """Request latency, solves, cache hits, versions, connected pollers (Prometheus text format)."""
-    return PlainTextResponse(service.metrics.render(), media_type="text/plain; version=0.0.4")
+    return Response(service.metrics.render(), media_type=CONTENT_TYPE)

@@ -40,7 +40,7 @@ async def what_if(body: PlanRequest, service: ServiceDep, _: ControllerDep) -> P
         )
     except TimeoutError:
         raise SolverBusyError(f"what-if solve did not finish within {limit + GRACE_S:.0f} s") from None
-    service.metrics.solve_seconds.observe(time.perf_counter() - t0, purpose="whatif")
-    service.metrics.solves.inc(purpose="whatif", source=out.source or "error")
+    service.metrics.solve_seconds.labels(purpose="whatif").observe(time.perf_counter() - t0)
+    service.metrics.solves.labels(purpose="whatif", source=out.source or "error").inc()
     raise_error(out)
     return PlanResponse(schedule=json.loads(out.physical_json), figures=out.figures)

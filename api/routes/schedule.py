@@ -178,13 +178,13 @@ async def long_poll(
         most = cap()
     else:
         most = service.settings.max_wait_s
-    service.metrics.pollers.inc(1)
+    service.metrics.pollers.inc()
     try:
         view = await wait_newer(rt, after, wait_s, receive, cap)
     except ClientGone:
         view = None
     finally:
-        service.metrics.pollers.inc(-1)
+        service.metrics.pollers.dec()
     if view is None:
         return None, f'"{rt.version}"', f"{most:g}"
     return (view.full() if w is None else view.for_worker(w)), f'"{view.version}"', f"{most:g}"
