@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _load(
-    args: argparse.Namespace,
+    args: argparse.Namespace, exact: bool = True
 ) -> tuple[JobSpec, Costs, PlanCache, dict[str, Strategy], CheckpointRestart]:
     from planner.cli_io import read_document
 
@@ -82,7 +83,7 @@ def _load(
     names = tuple(n.strip() for n in args.strategies.split(",") if n.strip())
     limit = timedelta(seconds=args.time_limit)
     try:
-        strategies = make_strategies(job, costs, cache, names, limit)
+        strategies = make_strategies(job, costs, cache, names, limit, exact=exact)
     except ValueError as exc:
         raise InvalidInputError(f"--strategies: {exc}") from None
     fallback = make_strategies(job, costs, cache, ("checkpoint-restart",), limit)["checkpoint-restart"]
@@ -160,8 +161,21 @@ def cmd_whatif(args: argparse.Namespace) -> int:
 
 def add_simulate_parser(sub: Any) -> None:
     """`recycle simulate JOB (--trace CSV | --mtbf 6h --repair 2h) --duration 7d --seed 1`."""
-    p = sub.add_parser("simulate", help="event-driven run of every strategy over a failure trace")
+    p = sub.add_parser(
+        "simulate",
+        help="event-driven run of every strategy over a failure trace",
+        description="Event-driven run of every strategy over a failure/rejoin trace. recycle's plans "
+        "come from --plans DIR when it holds them; a failure set it does not hold is ESTIMATED by the "
+        "memory-aware lower bound (milliseconds instead of seconds of planning; labelled in the table "
+        "and the JSON) unless --exact, which plans every failure set first (docs/whatif.md).",
+    )
     _add_common(p)
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="plan every failure set the trace visits (added to --plans) instead of estimating the "
+        "ones the plan cache misses; slower, and reports what the estimate would have changed",
+    )
     p.add_argument("--trace", help="CSV of time,worker,event (see docs/whatif.md)")
     p.add_argument("--mtbf", type=_duration("h"), help="mean time between failures of ONE worker (e.g. 6h)")
     p.add_argument(
@@ -201,9 +215,107 @@ def _failure_sets(events: list[Any]) -> list[FailureScenario]:
     return out
 
 
+def estimate_report(
+    job: JobSpec, strategies: dict[str, Strategy], events: list[Any], duration_s: float
+) -> dict[str, dict[str, Any]]:
+    """Per recycle model: which failure sets were estimated, the share of the run spent in them, and
+    how far the estimate is from the plan where both are known (whatif/estimate.py)."""
+    from planner.normalize import normalize
+    from whatif.estimate import ESTIMATE_METHOD, barrier_estimate_ms, estimate_of
+    from whatif.strategies import Recycle
+
+    played = [e for e in events if e.time_s < duration_s]
+    time_by_key: dict[str, float] = {}
+    for sc, start, end in zip(
+        [FailureScenario(), *_failure_sets(played)],
+        [0.0, *(e.time_s for e in played)],
+        [*(e.time_s for e in played), duration_s],
+        strict=True,
+    ):
+        key = normalize(job, sc).key
+        time_by_key[key] = time_by_key.get(key, 0.0) + max(0.0, end - start)
+    out: dict[str, dict[str, Any]] = {}
+    for name, strat in strategies.items():
+        if not isinstance(strat, Recycle):
+            continue
+        field = strat._field
+        sets, errors = [], []
+        for key, rec in strat.used.items():
+            entry: dict[str, Any] = {
+                "failed": rec.get("scenario", {}).get("failed", []),
+                "estimated": bool(rec.get("estimated")),
+                "iteration_time_ms": rec.get(field),
+                "time_s": time_by_key.get(key, 0.0),
+            }
+            estimate = estimate_of(rec)
+            if estimate is not None and field == "barrier_ms":
+                scenario = FailureScenario.model_validate(rec["scenario"])
+                estimate = barrier_estimate_ms(job, scenario, estimate)
+            if estimate is not None and rec.get(field):
+                entry["estimate_ms"] = estimate
+                entry["estimate_error"] = estimate / float(rec[field]) - 1.0
+                errors.append(entry["estimate_error"])
+            sets.append(entry)
+        estimated = [s for s in sets if s["estimated"]]
+        share = sum(s["time_s"] for s in estimated) / duration_s if duration_s > 0 else 0.0
+        known = (
+            f"; where a plan is known ({len(errors)} sets) the estimate is {_pct(_mean(errors))} on "
+            f"average, {_pct(max(errors, key=abs))} at worst"
+            if errors
+            else ""
+        )
+        note = (
+            f"{name}: {len(estimated)} of {len(sets)} failure sets estimated ({ESTIMATE_METHOD}, "
+            f"{share:.1%} of the run){known}"
+        )
+        out[name] = {
+            "failure_sets": len(sets),
+            "estimated": len(estimated),
+            "estimated_time_share": share,
+            "estimate_error_where_planned": (
+                {"sets": len(errors), "mean": _mean(errors), "worst": max(errors, key=abs)}
+                if errors
+                else None
+            ),
+            "sets": sets,
+            "note": note,
+        }
+    return out
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _pct(value: float) -> str:
+    return f"{value:+.2%}"
+
+
+def check_estimates(
+    strategies: dict[str, Strategy],
+    runs: dict[str, Any],
+    report: dict[str, dict[str, Any]],
+    play: Callable[[dict[str, Strategy]], dict[str, Any]],
+) -> None:
+    """--exact: replay (`play`) the recycle models with every failure set estimated, and record in
+    `report` how far the final answer (samples trained) moves: what leaving out --exact would cost."""
+    from whatif.strategies import Recycle
+
+    for name, strat in strategies.items():
+        if not isinstance(strat, Recycle) or name not in runs:
+            continue
+        guess = type(strat)(strat.job, strat.costs, strat.cache, exact=False, use_plans=False)
+        planned, estimated = runs[name].samples, play({name: guess})[name].samples
+        diff = estimated / planned - 1.0 if planned else 0.0
+        report[name]["all_estimated_samples"] = estimated
+        report[name]["all_estimated_difference"] = diff
+        report[name]["note"] += f"; all estimated, samples would differ by {_pct(diff)}"
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Run the trace through every strategy; print the figures; optionally plot and write JSON."""
     from planner.normalize import normalize
+    from whatif.estimate import ESTIMATE_METHOD
     from whatif.events import simulate
     from whatif.precompute import plan_missing
     from whatif.scenarios import Canonical
@@ -214,7 +326,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     _check_outputs(args, ("plot", "json", "write_trace"))
-    job, costs, cache, strategies, fallback = _load(args)
+    job, costs, cache, strategies, fallback = _load(args, exact=args.exact)
     gpus = _gpus_per_worker(job, args.gpus_per_worker)
     num_workers = job.num_pipelines * job.num_stages
     worker_mtbf = args.mtbf or args.gpu_mtbf / gpus
@@ -232,20 +344,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not costs.checkpoint_interval_s and costs.checkpoint_s <= 0:
         raise InvalidInputError("--checkpoint-cost must be positive unless --checkpoint-interval is given")
     interval = costs.checkpoint_interval_s or young_daly_interval_s(job_mtbf, costs.checkpoint_s)
-    if {"recycle", "recycle+barrier"} & set(strategies):
+    if args.exact and {"recycle", "recycle+barrier"} & set(strategies):
         sets = [normalize(job, sc) for sc in _failure_sets(events)]
         todo = [Canonical(n.scenario, n.key, 1) for n in sets]
         plan_missing(job, todo, cache, args.workers, time_limit=timedelta(seconds=args.time_limit))
     base_ms = failure_free_1f1b_ms(job)
-    runs = simulate(
-        job, strategies, fallback, events, args.duration, costs, interval, base_ms, gpus, progress=True
-    )
+
+    def play(models: dict[str, Strategy], progress: bool = False) -> dict[str, Any]:
+        return simulate(
+            job, models, fallback, events, args.duration, costs, interval, base_ms, gpus, progress=progress
+        )
+
+    runs = play(strategies, progress=True)
     print(
         f"{job.name}: {sum(e.kind == 'fail' for e in events)} failures over {args.duration / 3600:.1f} h, "
         f"job MTBF {job_mtbf / 3600:.2f} h, checkpoint every {interval / 60:.1f} min "
         f"({'given' if costs.checkpoint_interval_s else 'Young/Daly'}), spares: {costs.spares}"
     )
-    print(render_runs(runs))
+    report = estimate_report(job, strategies, events, args.duration)
+    if args.exact and report:
+        check_estimates(strategies, runs, report, play)
+    print(render_runs(runs, report))
     for other in ("oobleck", "bamboo", "checkpoint-restart", "shrink"):
         if "recycle" in runs and other in runs and runs[other].samples > 0:
             r = runs["recycle"]
@@ -263,6 +382,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "costs": costs.__dict__,
         "num_failures": sum(e.kind == "fail" for e in events),
         "strategies": {n: r.to_dict() for n, r in runs.items()},
+        "recycle_estimates": {
+            "method": ESTIMATE_METHOD,
+            "exact": bool(args.exact),
+            "strategies": {n: {k: v for k, v in r.items() if k != "note"} for n, r in report.items()},
+        },
     }
     _write_json(args.json, payload)
     if args.plot:

@@ -145,8 +145,12 @@ def render(result: WhatIf, strategies: list[str]) -> str:
     return "\n".join([*lines, "", *notes])
 
 
-def render_runs(runs: dict[str, RunFigures]) -> str:
-    """The `recycle simulate` table: one row per strategy, numbers right-aligned under their header."""
+def render_runs(runs: dict[str, RunFigures], estimates: dict[str, dict[str, Any]] | None = None) -> str:
+    """The `recycle simulate` table: one row per strategy, numbers right-aligned under their header.
+    `estimates`: strategy -> {"estimated": failure sets estimated, "note": a line on them}; a
+    strategy whose figures rest on at least one estimate is marked `~`; the notes go under the table."""
+    estimates = estimates or {}
+    marked = {n for n, e in estimates.items() if e.get("estimated")}
     from planner.outputs import render_table
 
     head = [
@@ -163,7 +167,7 @@ def render_runs(runs: dict[str, RunFigures]) -> str:
     ]
     rows = [
         [
-            name,
+            name + (" ~" if name in marked else ""),
             f"{r.samples:,.0f}",
             f"{r.effective_throughput:.2f}",
             f"{r.retained_vs_1f1b:.1%}",
@@ -183,4 +187,7 @@ def render_runs(runs: dict[str, RunFigures]) -> str:
         "checkpoints, stalled = nothing could run; fallbacks: failures that forced a checkpoint restore",
         f"GPU-hours (allocated, every strategy): {gpu_h:.0f}",
     ]
+    if marked:
+        notes.append("~ rests on estimated iteration times (the plan cache missed those failure sets):")
+    notes.extend(str(estimates[n]["note"]) for n in runs if n in estimates)
     return "\n".join([render_table(head, rows, align="l" + "r" * 9), *notes])

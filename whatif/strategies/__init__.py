@@ -36,16 +36,18 @@ def make_strategies(
     cache: PlanCache | None = None,
     names: tuple[str, ...] = ALL_STRATEGIES,
     plan_time_limit: timedelta = DEFAULT_PLAN_TIME_LIMIT,
+    exact: bool = True,
 ) -> dict[str, Strategy]:
-    """The named strategy models for `job`, in the order given (ValueError for an unknown name)."""
+    """The named strategy models for `job`, in the order given (ValueError for an unknown name).
+    `exact` False: recycle and recycle+barrier estimate the failure sets the cache misses."""
     unknown = [n for n in names if n not in ALL_STRATEGIES]
     if unknown:
         raise ValueError(f"unknown strategy {unknown}; known: {', '.join(ALL_STRATEGIES)}")
     cache = cache or PlanCache(None)
     shrink = Shrink(job, costs, cache)
     builders = {
-        "recycle": lambda: Recycle(job, costs, cache, plan_time_limit),
-        "recycle+barrier": lambda: RecycleBarrier(job, costs, cache, plan_time_limit),
+        "recycle": lambda: Recycle(job, costs, cache, plan_time_limit, exact),
+        "recycle+barrier": lambda: RecycleBarrier(job, costs, cache, plan_time_limit, exact),
         "reroute-only": lambda: RerouteOnly(job, costs, cache),
         "reroute+decoupled": lambda: RerouteDecoupled(job, costs, cache),
         "reroute+decoupled+staggered": lambda: RerouteDecoupledStaggered(job, costs, cache),

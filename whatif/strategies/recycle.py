@@ -7,7 +7,9 @@
 - reroute+decoupled+staggered: the same ZB-H1 orders without the barrier (the replay's own rule:
                        each worker starts its next iteration right after its own OPT).
 - recycle:             planner.plan.plan() (adaptive greedy; CP-SAT only in `recycle precompute
-                       --cpsat`), no barrier. Plans come from the on-disk cache when present.
+                       --cpsat`), no barrier. Plans come from the on-disk cache when present; on a
+                       miss the model plans (`exact`, the default) or, for `recycle simulate`
+                       without `--exact`, takes a labelled estimate (whatif/estimate.py).
 
 A global barrier makes every iteration start from an empty pipeline, so its iteration time is the
 makespan of one iteration replayed from a cold start: the largest `end_ms` of the schedule's first
@@ -90,25 +92,38 @@ class Recycle(Strategy):
         costs: Costs,
         cache: PlanCache | None = None,
         time_limit: timedelta = DEFAULT_PLAN_TIME_LIMIT,
+        exact: bool = True,
+        use_plans: bool = True,
     ) -> None:
+        """`exact`: plan a cache miss (else estimate it, whatif/estimate.py). `use_plans` False
+        estimates every failure set, cached or not (to measure what the estimate changes)."""
         super().__init__(job, costs)
         self.cache = cache or PlanCache(None)
         self.time_limit = time_limit
+        self.exact = exact
+        self.use_plans = use_plans
         self.num_planned = 0  # plans made here (cache misses): a warm cache keeps this at 0
+        self.used: dict[str, dict[str, Any]] = {}  # normalized key -> the record the model used
 
     @property
     def switch_s(self) -> float:
         return self.costs.reroute_s
 
     def record(self, scenario: FailureScenario) -> dict[str, Any]:
-        """The cached plan record for `scenario`, planning (greedy only) on a miss."""
+        """The cached plan record for `scenario`; on a miss, a plan (greedy only) when `exact`, else
+        an estimate (labelled `estimated`, kept in memory, never written to the cache)."""
         key = normalize(self.job, scenario).key
-        rec = self.cache.get(key)
-        if rec is None:
+        rec = self.cache.get(key) if self.use_plans else None
+        if rec is None and not self.exact:
+            from whatif.estimate import estimate_record
+
+            rec = estimate_record(self.job, scenario, with_barrier=self._field == "barrier_ms")
+        elif rec is None:
             log.info("plan cache miss for %s: planning", [list(w) for w in scenario.failed])
             rec = plan_record(self.job, scenario, time_limit=self.time_limit)
             self.cache.put(key, rec)
             self.num_planned += 1
+        self.used[key] = rec
         return rec
 
     def evaluate(self, scenario: FailureScenario) -> Outcome:
