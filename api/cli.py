@@ -99,16 +99,17 @@ def _stop(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def check_data_dir(path: Path) -> str | None:
-    """None when `path` is (or can be made) a writable directory, else the reason it is not."""
+def check_dir(path: Path, what: str = "--data-dir") -> str | None:
+    """None when `path` is (or can be made) a writable directory, else the reason it is not (`what`:
+    where the path came from)."""
     if path.exists() and not path.is_dir():
-        return f"--data-dir {path}: exists and is not a directory"
+        return f"{what} {path}: exists and is not a directory"
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        return f"--data-dir {path}: cannot create it ({exc.strerror or exc})"
+        return f"{what} {path}: cannot create it ({exc.strerror or exc})"
     if not os.access(path, os.W_OK | os.X_OK):
-        return f"--data-dir {path}: not writable"
+        return f"{what} {path}: not writable"
     return None
 
 
@@ -132,8 +133,9 @@ def bind(host: str, port: int) -> socket.socket:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Start uvicorn on the app. Exit code 2 for a bad setting (no controller token and no
-    --insecure-dev, an unusable data directory, a host or port that cannot be bound), 0 after a
-    graceful stop (SIGINT or SIGTERM), 1 when the application failed to start."""
+    --insecure-dev, an unusable data directory or PROMETHEUS_MULTIPROC_DIR, a host or port that
+    cannot be bound), 0 after a graceful stop (SIGINT or SIGTERM), 1 when the application failed to
+    start."""
     previous = signal.signal(signal.SIGTERM, _stop)
     try:
         return _serve(args)
@@ -160,10 +162,16 @@ def _serve(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INPUT
-    problem = check_data_dir(settings.data_dir)
-    if problem is not None:
-        print(f"error: {problem}", file=sys.stderr)
-        return EXIT_INPUT
+    from api.metrics import MULTIPROC_ENV, multiproc_dir
+
+    metrics_dir = multiproc_dir()
+    for problem in (
+        check_dir(settings.data_dir),
+        None if metrics_dir is None else check_dir(Path(metrics_dir), MULTIPROC_ENV),
+    ):
+        if problem is not None:
+            print(f"error: {problem}", file=sys.stderr)
+            return EXIT_INPUT
     try:
         sock = bind(args.host, args.port)
     except OSError as exc:

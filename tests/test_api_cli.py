@@ -48,8 +48,8 @@ def test_serve_parser_flags() -> None:
     assert args.func.__name__ == "cmd_serve"
 
 
-def run_serve(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "RECYCLE_CONTROLLER_TOKEN": "t"}
+def run_serve(args: list[str], tmp_path: Path, **extra_env: str) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "RECYCLE_CONTROLLER_TOKEN": "t", **extra_env}
     cmd = [sys.executable, "-m", "api.cli", "--data-dir", str(tmp_path / "data"), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
 
@@ -85,6 +85,9 @@ def test_serve_rejects_unusable_data_dir_and_busy_port(tmp_path: Path) -> None:
     assert len(r.stderr.strip().splitlines()) == 1  # one line, before any process was started
     r = run_serve(["--port", "0", "--host", "no-such-host.invalid"], tmp_path)
     assert r.returncode == 2 and "--host no-such-host.invalid: cannot resolve it" in r.stderr, r.stderr
+    r = run_serve(["--port", "0"], tmp_path, PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "file"))
+    assert r.returncode == 2 and "PROMETHEUS_MULTIPROC_DIR" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_serve_port_values_parse() -> None:
