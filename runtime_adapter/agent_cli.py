@@ -219,18 +219,10 @@ def _printer(job_id: str) -> Any:
     seen = [0]
 
     def tick(sup: Supervisor) -> None:
-        from runtime_adapter.summary import restarted
+        from runtime_adapter.summary import event_line
 
         for ev in sup.history[seen[0] :]:
-            who = list(ev.worker) if ev.worker is not None else None
-            if ev.kind == "died":
-                where = "before its first step" if ev.iteration is None else f"in iteration {ev.iteration}"
-                print(f"worker {who} died {where} (exit {ev.code}); reported to job {job_id}", flush=True)
-            elif ev.kind == "rejoin":
-                print(f"worker {who} re-joins", flush=True)
-            else:
-                start = "scratch" if ev.checkpoint is None else f"the checkpoint at iteration {ev.checkpoint}"
-                print(f"{ev.why}: restore from {start}, {restarted(ev)}", flush=True)
+            print(event_line(ev, f"reported to job {job_id}"), flush=True)
         seen[0] = len(sup.history)
 
     return tick

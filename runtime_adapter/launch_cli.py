@@ -228,22 +228,12 @@ class _Reporter:
         self.seen_events, self.last_print = 0, time.monotonic()
 
     def __call__(self, lr: Supervisor) -> None:
-        from runtime_adapter.summary import restarted
+        from runtime_adapter.summary import event_line
 
         self.monitor.poll()
         total = len(self.spec.workers())
         for ev in lr.history[self.seen_events :]:
-            who = list(ev.worker) if ev.worker is not None else "every worker"
-            if ev.kind == "died":
-                where = "before its first step" if ev.iteration is None else f"in iteration {ev.iteration}"
-                print(f"worker {who} died {where} (exit {ev.code}); schedule now v{lr.version}", flush=True)
-            elif ev.kind == "rejoin":
-                print(f"worker {who} re-joins", flush=True)
-            else:
-                start = (
-                    "iteration 0" if ev.checkpoint is None else f"the checkpoint at iteration {ev.checkpoint}"
-                )
-                print(f"{ev.why}: restore from {start}, {restarted(ev)}", flush=True)
+            print(event_line(ev, f"schedule now v{lr.version}"), flush=True)
         self.seen_events = len(lr.history)
         last = self.spec.num_iterations - 1
         for row in self.monitor.new_losses():

@@ -68,6 +68,19 @@ def event_label(event: LaunchEvent) -> str:
     return f"restore from {start}"
 
 
+def event_line(event: LaunchEvent, died_note: str) -> str:
+    """The line `recycle launch` and `recycle agent` print for `event` as it happens; `died_note` ends
+    a death's line (where the death went: the new schedule version, the job it was reported to)."""
+    who = list(event.worker) if event.worker is not None else "every worker"
+    if event.kind == "died":
+        where = "before its first step" if event.iteration is None else f"in iteration {event.iteration}"
+        return f"worker {who} died {where} (exit {event.code}); {died_note}"
+    if event.kind == "rejoin":
+        return f"worker {who} re-joins"
+    start = "iteration 0" if event.checkpoint is None else f"the checkpoint at iteration {event.checkpoint}"
+    return f"{event.why}: restore from {start}, {restarted(event)}"
+
+
 def restarted(event: LaunchEvent) -> str:
     """Which workers a restore restarted: "restarting [0, 1], [1, 1]" or "no process restarted"."""
     if not event.restarted:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -59,16 +60,23 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiHost]:
 
 def run(cluster: MultiHost, scenario: str, out: Path) -> Outcome:
     """Run a scenario; on any failure print the tails of every log, then fail."""
-    try:
+    with logs_on_failure(cluster, out):
         return cluster.run_scenario(scenario, out, ITERATIONS)
-    except BaseException:
-        dump_logs(cluster, out)
-        raise
 
 
 def dump_logs(cluster: MultiHost, out: Path) -> None:
     for path in cluster.logs(out):
         print(f"----- {path.name} (last lines) -----\n{tail(path)}")
+
+
+@contextmanager
+def logs_on_failure(cluster: MultiHost, out: Path) -> Iterator[None]:
+    """Print the tails of every log of the run in `out` if the block fails."""
+    try:
+        yield
+    except BaseException:
+        dump_logs(cluster, out)
+        raise
 
 
 def never_restarted(out: Path, o: Outcome, workers: list[tuple[int, int]]) -> None:
@@ -152,7 +160,7 @@ def test_host_crash_survivors_keep_training(cluster: MultiHost, tmp_path: Path) 
     `finished` with exactly h2's workers failed (the survivors' silence after `done` is no failure)."""
     o = run(cluster, "crash", tmp_path)
     job = tiny_job(3, 2)
-    try:
+    with logs_on_failure(cluster, tmp_path):
         assert o.agent(VICTIM_HOST) == -9, o.agent_codes
         agents_exited(o, [h for h in HOSTS if h != VICTIM_HOST])
         assert sorted(o.failed_at_detection) == [list(w) for w in VICTIMS], o.failed_at_detection
@@ -161,9 +169,6 @@ def test_host_crash_survivors_keep_training(cluster: MultiHost, tmp_path: Path) 
         assert (o.final_state, o.final_failed) == ("finished", [list(w) for w in VICTIMS]), o
         assert_exactly_once(tmp_path, job, ITERATIONS)
         assert_matches_reference(tmp_path, job, ITERATIONS, SURVIVORS)
-    except BaseException:
-        dump_logs(cluster, tmp_path)
-        raise
     print(f"host crash: detected {o.detect_s:.2f} s, survivors running v{o.fault_version} "
           f"{o.running_s:.2f} s, first step {o.step_s:.2f} s after the kill")  # fmt: skip
 
@@ -176,7 +181,7 @@ def test_partition_survivors_continue_then_cut_off_workers_rejoin(cluster: Multi
     worker, the re-joiners too, ends with the failure-free parameters."""
     o = run(cluster, "partition", tmp_path)
     job = tiny_job(3, 2)
-    try:
+    with logs_on_failure(cluster, tmp_path):
         agents_exited(o, list(HOSTS))
         assert sorted(o.failed_at_detection) == [list(w) for w in VICTIMS], o.failed_at_detection
         never_restarted(tmp_path, o, SURVIVORS)
@@ -196,9 +201,6 @@ def test_partition_survivors_continue_then_cut_off_workers_rejoin(cluster: Multi
                 assert all(r["version"] >= o.fault_version for r in recs), (it, recs)
         assert_exactly_once(tmp_path, job, ITERATIONS)
         assert_matches_reference(tmp_path, job, ITERATIONS, EVERYONE)
-    except BaseException:
-        dump_logs(cluster, tmp_path)
-        raise
     print(f"partition: detected {o.detect_s:.2f} s, survivors running v{o.fault_version} "
           f"{o.running_s:.2f} s, first step {o.step_s:.2f} s after the cut; cut-off workers exited "
           f"{o.cutoff_exit_s:.2f} s and re-joined {o.rejoin_s:.2f} s after the link came back")  # fmt: skip
@@ -218,7 +220,7 @@ def test_store_restart_costs_nothing_and_a_later_failure_recovers(cluster: Multi
     o = run(cluster, "store", tmp_path)
     job = tiny_job(3, 2)
     others = [w for w in EVERYONE if w != STORE_VICTIM]
-    try:
+    with logs_on_failure(cluster, tmp_path):
         agents_exited(o, list(HOSTS))
         assert o.steps_without_store is not None and o.steps_without_store >= 2, o
         assert o.lost_iterations == 0, f"{o.lost_iterations} iterations rolled back by the store's restart"
@@ -228,9 +230,6 @@ def test_store_restart_costs_nothing_and_a_later_failure_recovers(cluster: Multi
         assert (o.final_state, o.final_failed) == ("finished", [list(STORE_VICTIM)]), o
         assert_exactly_once(tmp_path, job, ITERATIONS)
         assert_matches_reference(tmp_path, job, ITERATIONS, others)
-    except BaseException:
-        dump_logs(cluster, tmp_path)
-        raise
     print(f"store restart: {o.steps_without_store} steps without it, {o.lost_iterations} iterations lost; "
           f"worker kill detected {o.detect_s:.2f} s, others running v{o.fault_version} "
           f"{o.running_s:.2f} s after it")  # fmt: skip
@@ -245,7 +244,7 @@ def test_stage_lost_across_hosts_is_restored_from_the_shared_checkpoint(
     Every worker ends with the failure-free parameters; every micro-batch counted once."""
     o = run(cluster, "stage", tmp_path)
     job = tiny_job(3, 2)
-    try:
+    with logs_on_failure(cluster, tmp_path):
         agents_exited(o, list(HOSTS))
         assert o.restore is not None and o.restore["epoch"] == 1, o.restore
         assert o.restore["iteration"] is not None and o.restore["iteration"] >= 2, o.restore
@@ -256,8 +255,5 @@ def test_stage_lost_across_hosts_is_restored_from_the_shared_checkpoint(
         assert (o.final_state, o.final_failed) == ("finished", []), o
         assert_exactly_once(tmp_path, job, ITERATIONS)
         assert_matches_reference(tmp_path, job, ITERATIONS, EVERYONE)
-    except BaseException:
-        dump_logs(cluster, tmp_path)
-        raise
     print(f"stage lost: restore {o.restore} seen {o.detect_s:.2f} s after the kills, every worker "
           f"running it {o.running_s:.2f} s, stepping {o.step_s:.2f} s")  # fmt: skip

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -12,25 +11,18 @@ from hypothesis import strategies as st
 
 from planner.contract import FailureScenario
 from tests.jobs import uniform_job
+from tests.test_whatif_cli import JOB, run
 from whatif.cache import PlanCache
-from whatif.cli import add_whatif_parsers
 from whatif.estimate import ESTIMATE_METHOD, ESTIMATE_TOLERANCE, estimate_record
 from whatif.strategies import Costs, make_strategies
 from whatif.strategies.recycle import Recycle, plan_record
 
-JOB = uniform_job(2, 2, 2, optimizer_ms=0.0, activation_mib=1.0, weight_grad_mib=1.0)
 SIM = ["--mtbf", "2h", "--repair", "30m", "--duration", "1d", "--seed", "3", "--workers", "1"]
-
-
-def run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="recycle")
-    add_whatif_parsers(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
 
 
 @pytest.fixture
 def job_file(tmp_path: Path) -> Path:
+    """tests/test_whatif_cli.py's tiny job, as a file."""
     path = tmp_path / "tiny.json"
     path.write_text(JOB.model_dump_json())
     return path
