@@ -19,8 +19,9 @@ iterations:
   restarted empty on the same port (iterations paced to at least STORE_PACE_MS, so that the run is
   still going once the new store listens); then worker [2, 1] is SIGKILLed: h2's agent posts its `fail` at
   once and the survivors build the new version's groups on the restarted store.
-- stage: worker [d, 1] of every host is SIGKILLed (stage 1 lost across all hosts, the agents live):
-  the agents post the fails, the service restores from the shared checkpoint at once, the agents
+- stage: once the job shows a checkpoint of every stage (reported when durable), worker [d, 1] of
+  every host is SIGKILLed (stage 1 lost across all hosts, the agents live): the agents post the
+  fails, the service restores from the shared checkpoint at once, the agents
   restart the dead workers with `--resume-at`, the stage-0 workers load it in place.
 
 Measured from the fault, by watching the accounting files every 10 ms and the job every 50 ms:
@@ -303,6 +304,12 @@ class _Run:
             return all(recs.steps(w) >= steps_before for w in EVERYONE)
 
         wait_for(started, timeout_s, f"every worker to step {steps_before} iterations")
+        if self.scenario == "stage":  # the restore is to load a checkpoint: one must be reported first
+
+            def checkpointed() -> bool:
+                return mh.job_doc(self.job_id).get("restorable_iteration") is not None
+
+            wait_for(checkpointed, timeout_s, "a checkpoint of every stage to be reported", 0.05)
         doc = mh.job_doc(self.job_id)
         precomputed = doc["precompute"]["done"] >= doc["precompute"]["total"]
         if recs.steps(SURVIVORS[0]) >= self.iterations - 8:
