@@ -34,6 +34,11 @@ class PlannerSettings(BaseSettings):
     cpsat_max_ops: int = Field(
         default=8000, ge=0, description="Largest model (ops per iteration) given to CP-SAT; larger: greedy."
     )
+    ray_address: str | None = Field(
+        default=None,
+        description="Default of `recycle precompute --ray`: the Ray cluster to plan on (auto, HOST:PORT or "
+        "ray://HOST:PORT); unset or empty: local processes.",
+    )
 
     @property
     def solver_time_limit(self) -> timedelta:

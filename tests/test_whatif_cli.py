@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,20 @@ def test_simulate_command_generated_and_csv(
 def test_bad_strategy_name_is_an_input_error(job_file: Path) -> None:
     with pytest.raises(InvalidInputError, match="unknown strategy"):
         run(["whatif", str(job_file), "--strategies", "recycle,magic"])
+
+
+def test_precompute_without_ray_installed(
+    job_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--ray (or RECYCLE_RAY_ADDRESS) without Ray is an input error naming both, before anything is
+    written; without them the local path never imports Ray (`--ray ""` overrides the variable)."""
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    out = tmp_path / "plans"
+    with pytest.raises(InvalidInputError, match=r"--ray/RECYCLE_RAY_ADDRESS: Ray is not installed"):
+        run(["precompute", str(job_file), "-o", str(out), "--ray", "auto"])
+    monkeypatch.setenv("RECYCLE_RAY_ADDRESS", "127.0.0.1:6379")
+    with pytest.raises(InvalidInputError, match="Ray is not installed"):
+        run(["precompute", str(job_file), "-o", str(out)])
+    assert not out.exists()
+    assert run(["precompute", str(job_file), "--max-failures", "1", "-o", str(out), "--ray", ""]) == 0
+    assert "planned now" in capsys.readouterr().out and PlanCache(out).index_max_failures(JOB) == 1

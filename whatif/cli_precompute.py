@@ -30,7 +30,15 @@ def add_precompute_parser(sub: Any) -> None:
         required=True,
         help="plan directory (created if missing); `recycle launch --schedules DIR` runs from it",
     )
-    p.add_argument("--workers", type=int, default=2, help="planning processes (default 2)")
+    p.add_argument("--workers", type=int, default=2, help="planning processes (default 2; not with --ray)")
+    p.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        default=None,
+        help="plan as tasks on this Ray cluster instead (auto, HOST:PORT or ray://HOST:PORT; default "
+        'RECYCLE_RAY_ADDRESS; "" forces local processes); needs `pip install recycle[ray]` here and '
+        "recycle installed on every node",
+    )
     p.add_argument(
         "--time-limit", type=finite_float, default=3.0, help="greedy (and CP-SAT) budget per plan, s"
     )
@@ -43,12 +51,18 @@ def add_precompute_parser(sub: Any) -> None:
 def cmd_precompute(args: argparse.Namespace) -> int:
     """Plan what is missing; report normalization savings and what was (not) solved."""
     from planner.cli_io import check_output_dir, read_document
+    from planner.settings import planner_settings
     from whatif.precompute import precompute
 
     check_output_dir(args.output, "-o/--output")
     job = read_document(args.job, JobSpec, "job spec")
     if args.max_failures < 0 or args.workers < 1 or args.time_limit <= 0:
         raise InvalidInputError("--max-failures >= 0, --workers >= 1 and --time-limit > 0 required")
+    ray_address = args.ray if args.ray is not None else planner_settings().ray_address
+    if ray_address:  # before anything is written: an unreachable cluster leaves the directory as it was
+        from whatif.precompute_ray import connect
+
+        connect(ray_address)
     stats = precompute(
         job,
         args.max_failures,
@@ -57,6 +71,7 @@ def cmd_precompute(args: argparse.Namespace) -> int:
         use_cpsat=args.cpsat,
         time_limit=timedelta(seconds=args.time_limit),
         progress=not args.no_progress,
+        ray_address=ray_address or None,
     )
     saved = stats.saved_by_normalization / max(1, stats.physical_scenarios)
     if args.json:
@@ -67,6 +82,7 @@ def cmd_precompute(args: argparse.Namespace) -> int:
             f"{stats.canonical_scenarios} normalized scenarios (normalization saved "
             f"{stats.saved_by_normalization}, {saved:.1%}); "
             f"{stats.already_cached} already cached, {stats.planned} planned now "
-            f"({stats.unrecoverable} unrecoverable) in {stats.wall_s:.1f} s -> {args.output}"
+            f"({stats.unrecoverable} unrecoverable) in {stats.wall_s:.1f} s"
+            f"{f' on Ray {ray_address}' if ray_address else ''} -> {args.output}"
         )
     return 0

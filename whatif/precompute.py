@@ -1,4 +1,5 @@
-"""`recycle precompute`: plan every normalized scenario up to k failures, in worker processes.
+"""`recycle precompute`: plan every normalized scenario up to k failures, in worker processes (or as
+Ray tasks on a cluster: whatif/precompute_ray.py).
 
 Resumable: a scenario whose `<key>.json` already exists in the cache directory is skipped, and each
 plan is written atomically as soon as it is done, so an interrupted run loses at most the plans in
@@ -105,16 +106,8 @@ def _plan_task(job_json: str, scenario_json: str, use_cpsat: bool, time_limit_s:
     return plan_record(job, scenario, use_cpsat=use_cpsat, time_limit=timedelta(seconds=time_limit_s))
 
 
-def plan_missing(
-    job: JobSpec,
-    scenarios: Iterable[Canonical],
-    cache: PlanCache,
-    num_workers: int = 2,
-    use_cpsat: bool = False,
-    time_limit: timedelta = DEFAULT_PLAN_TIME_LIMIT,
-    progress: bool = True,
-) -> tuple[int, int, int]:
-    """Plan every scenario whose key is not cached; returns (already cached, planned, unrecoverable)."""
+def _todo(scenarios: Iterable[Canonical], cache: PlanCache) -> tuple[dict[str, Canonical], int]:
+    """The scenarios whose key is not cached yet (one per key), and how many are."""
     todo: dict[str, Canonical] = {}
     already = 0
     for c in scenarios:
@@ -124,12 +117,54 @@ def plan_missing(
             already += 1
         else:
             todo[c.key] = c
-    bar = ProgressBar(len(todo), "planning scenarios", enabled=progress)
-    planned = unrecoverable = 0
+    return todo, already
+
+
+class Recorder:
+    """Writes each finished plan record to the cache as it arrives and counts it on the progress bar
+    (the local pool and the Ray path both report through it)."""
+
+    def __init__(self, cache: PlanCache, total: int, progress: bool) -> None:
+        self.cache = cache
+        self.bar = ProgressBar(total, "planning scenarios", enabled=progress)
+        self.planned = self.unrecoverable = 0
+
+    def __call__(self, rec: dict[str, Any]) -> None:
+        self.cache.put(rec["key"], rec)
+        self.planned += 1
+        self.unrecoverable += bool(rec["unrecoverable"])
+        note = (
+            "last: unrecoverable (a stage lost every worker)"
+            if rec["unrecoverable"]
+            else f"last plan: iteration time {rec['iteration_time_ms']:.1f} ms"
+        )
+        self.bar.advance(note=note)
+
+
+def plan_missing(
+    job: JobSpec,
+    scenarios: Iterable[Canonical],
+    cache: PlanCache,
+    num_workers: int = 2,
+    use_cpsat: bool = False,
+    time_limit: timedelta = DEFAULT_PLAN_TIME_LIMIT,
+    progress: bool = True,
+    ray_address: str | None = None,
+) -> tuple[int, int, int]:
+    """Plan every scenario whose key is not cached; returns (already cached, planned, unrecoverable).
+    `ray_address`: plan as tasks on that Ray cluster (whatif/precompute_ray.py) instead of
+    `num_workers` local processes."""
+    todo, already = _todo(scenarios, cache)
+    record = Recorder(cache, len(todo), progress)
     if not todo:
         return already, 0, 0
     job_json = job.model_dump_json()
     limit_s = time_limit.total_seconds()
+    if ray_address:
+        from whatif.precompute_ray import plan_on_ray
+
+        plan_on_ray(ray_address, job_json, [c.scenario for c in todo.values()], use_cpsat, limit_s, record)
+        return already, record.planned, record.unrecoverable
     with ProcessPoolExecutor(max_workers=max(1, num_workers)) as pool:
         pending: set[Future[dict[str, Any]]] = {
             pool.submit(_plan_task, job_json, c.scenario.model_dump_json(), use_cpsat, limit_s)
@@ -138,17 +173,8 @@ def plan_missing(
         while pending:
             finished, pending = wait(pending, return_when=FIRST_COMPLETED)
             for fut in finished:
-                rec = fut.result()
-                cache.put(rec["key"], rec)
-                planned += 1
-                unrecoverable += bool(rec["unrecoverable"])
-                note = (
-                    "last: unrecoverable (a stage lost every worker)"
-                    if rec["unrecoverable"]
-                    else f"last plan: iteration time {rec['iteration_time_ms']:.1f} ms"
-                )
-                bar.advance(note=note)
-    return already, planned, unrecoverable
+                record(fut.result())
+    return already, record.planned, record.unrecoverable
 
 
 def precompute(
@@ -159,8 +185,10 @@ def precompute(
     use_cpsat: bool = False,
     time_limit: timedelta = DEFAULT_PLAN_TIME_LIMIT,
     progress: bool = True,
+    ray_address: str | None = None,
 ) -> PrecomputeStats:
-    """Plan all normalized scenarios with 0..max_failures failures into `cache`."""
+    """Plan all normalized scenarios with 0..max_failures failures into `cache` (on the Ray cluster at
+    `ray_address` when given, else in `num_workers` local processes)."""
     if max_failures < 0:
         raise ValueError("max_failures must be >= 0")
     t0 = time.perf_counter()
@@ -169,7 +197,7 @@ def precompute(
     num_workers_total = job.num_pipelines * job.num_stages
     physical = sum(math.comb(num_workers_total, k) for k in range(max_failures + 1))
     already, planned, unrecoverable = plan_missing(
-        job, scenarios, cache, num_workers, use_cpsat, time_limit, progress
+        job, scenarios, cache, num_workers, use_cpsat, time_limit, progress, ray_address
     )
     prior = cache.index_max_failures(job)
     if prior is None or prior < max_failures:  # an index that covers more stays (its plans are all there)

@@ -1,0 +1,112 @@
+"""`recycle precompute --ray` on a real two-node Ray cluster started here (bench/precompute_ray_cluster.py).
+
+One cluster for the module: a head and a second node, one CPU each, in process groups of their own, killed
+(workers included) at the end. The plans made on Ray are the local path's plans; a node SIGKILLed
+while it runs a task loses nothing (the scenario is submitted again); an unreachable address is one
+line and exit 2 with the directory left resumable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.precompute_ray_cluster import LocalRayCluster, process_titles
+from tests.jobs import uniform_job
+from whatif.cache import PlanCache
+from whatif.precompute import precompute
+
+pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
+
+JOB = uniform_job(4, 4, 8)  # 69 normalized scenarios up to 3 failures, ~0.15 s each
+FIGURES = ("unrecoverable", "iteration_time_ms", "lower_bound_ms", "memory_bound_ms", "baseline_1f1b_ms")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalRayCluster]:
+    with LocalRayCluster(nodes=2, cpus=1) as c:
+        yield c
+
+
+def _recycle(*args: str, **kw: object) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "recycle_cli", "precompute", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,  # type: ignore[call-overload]
+    )
+
+
+def _figures(root: Path) -> dict[str, tuple[object, ...]]:
+    records = {p.stem: PlanCache(root).get(p.stem) for p in root.glob("*.json") if "index" not in p.name}
+    return {k: tuple(r.get(f) for f in FIGURES) for k, r in records.items() if r is not None}
+
+
+@pytest.mark.timeout(150)
+def test_a_node_killed_mid_run_loses_nothing(cluster: LocalRayCluster, tmp_path: Path) -> None:
+    job = tmp_path / "job.json"
+    job.write_text(JOB.model_dump_json())
+    out = tmp_path / "ray-plans"
+    run = _recycle(str(job), "--max-failures", "3", "-o", str(out), "--ray", cluster.address, "--no-progress")
+    # SIGKILL the second node while it runs a task (Ray titles a busy worker after its task)
+    deadline = time.monotonic() + 60
+    while not any("ray::_plan_task" in t for t in process_titles(cluster.groups[1])):
+        assert run.poll() is None, f"precompute ended before the second node ran a task: {run.communicate()}"
+        assert time.monotonic() < deadline, "the second node never ran a task"
+        time.sleep(0.02)
+    cluster.kill_node(1)
+    done_at_kill = len(list(out.glob("*.json")))
+    stdout, stderr = run.communicate(timeout=90)
+    assert run.returncode == 0, stderr
+    assert done_at_kill < 69
+    assert "submitting it again" in stderr, stderr  # the task on the killed node was lost and redone
+    assert "69 normalized scenarios" in stdout and "69 planned now" in stdout, stdout
+
+    local = tmp_path / "local-plans"
+    precompute(JOB, 3, PlanCache(local), num_workers=2, progress=False)
+    on_ray = _figures(out)
+    assert len(on_ray) == 69
+    assert on_ray == _figures(local)
+    assert sorted(p.name for p in out.glob("index-*")) == sorted(p.name for p in local.glob("index-*"))
+
+    again = _recycle(str(job), "--max-failures", "3", "-o", str(out), "--ray", cluster.address)
+    stdout, stderr = again.communicate(timeout=60)
+    assert again.returncode == 0 and "69 already cached, 0 planned now" in stdout, stderr
+
+
+@pytest.mark.timeout(60)
+def test_an_unreachable_address_is_one_line_exit_2_and_the_directory_stays_resumable(
+    cluster: LocalRayCluster, tmp_path: Path
+) -> None:
+    job = tmp_path / "job.json"
+    job.write_text(JOB.model_dump_json())
+    out = tmp_path / "plans"
+    precompute(JOB, 0, PlanCache(out), num_workers=1, progress=False)  # an earlier run: k = 0 done
+    before = sorted(p.name for p in out.iterdir())
+    dead = "127.0.0.1:1"  # nothing listens on port 1
+    for flags, env in (
+        (["--ray", dead], {}),
+        ([], {"RECYCLE_RAY_ADDRESS": dead}),
+        (["--ray", "not-an-address"], {}),
+    ):
+        run = _recycle(str(job), "--max-failures", "1", "-o", str(out), *flags, env={**os.environ, **env})
+        stdout, stderr = run.communicate(timeout=30)
+        assert run.returncode == 2, stderr
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1 and "--ray/RECYCLE_RAY_ADDRESS" in lines[0], stderr
+        assert stdout == ""
+    assert sorted(p.name for p in out.iterdir()) == before  # nothing written, nothing torn
+    # resumed through Ray Client (ray://) when ray[client] is installed, else at HOST:PORT
+    address = cluster.client_address if importlib.util.find_spec("grpc") else cluster.address
+    resumed = _recycle(str(job), "--max-failures", "1", "-o", str(out), "--ray", address, "--no-progress")
+    stdout, stderr = resumed.communicate(timeout=60)
+    assert resumed.returncode == 0, stderr
+    assert "1 already cached, 4 planned now" in stdout, stdout

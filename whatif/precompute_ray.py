@@ -1,0 +1,156 @@
+"""`recycle precompute --ray ADDRESS`: the scenarios as tasks on a Ray cluster.
+
+The job spec goes into the object store once (`ray.put`); each task gets its reference and one
+canonical scenario and returns the record the local path makes (`whatif.precompute._plan_task`),
+which the driver writes to the plan directory as soon as `ray.wait` reports it: the directory and
+its resumability are those of the local path. At most `in_flight` tasks are submitted at a time. A
+task lost with its worker or its node (worker crash, node death, a result lost with its node's
+object store) is submitted again, at most RETRIES times, with a warning on stderr. Ray is imported
+here only, so nothing needs it without `--ray`.
+
+ADDRESS is what `ray.init` accepts: `auto` (the cluster `ray start` left on this machine, or
+RAY_ADDRESS), `HOST:PORT` of the head's GCS (from a cluster node) or `ray://HOST:PORT` (Ray Client,
+needs `ray[client]`). The address is probed (TCP, CONNECT_TIMEOUT_S) before `ray.init`, which would
+otherwise retry for minutes; an unreachable one is an InvalidInputError (exit 2) raised before
+anything is written. The workers import this project: install it (same version) into the Python
+that runs `ray start` on every node; a worker that cannot is reported in one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from planner.contract import FailureScenario
+from planner.errors import InvalidInputError
+
+log = logging.getLogger(__name__)
+
+RETRIES = 3  # resubmissions of one scenario lost with its worker or node
+WINDOW_REFRESH_S = 10.0  # how often the number of tasks kept in flight follows the cluster's CPUs
+CONNECT_TIMEOUT_S = 5.0
+FLAG = "--ray/RECYCLE_RAY_ADDRESS"
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise InvalidInputError(f"{FLAG}: Ray is not installed (pip install 'recycle[ray]')") from None
+    return ray
+
+
+def _endpoint(address: str) -> tuple[str, int] | None:
+    """The (host, port) that must accept a TCP connection for `address` to work; None: not known."""
+    if address == "auto":
+        from ray._private.services import canonicalize_bootstrap_address
+
+        try:
+            address = canonicalize_bootstrap_address("auto") or ""
+        except ConnectionError:
+            raise InvalidInputError(f"{FLAG} auto: no running Ray cluster found on this machine") from None
+        except Exception:  # a private helper: when it changes, let ray.init decide
+            return None
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise InvalidInputError(f"{FLAG} {address}: expected auto, HOST:PORT or ray://HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def connect(address: str) -> None:
+    """Connect this process to the Ray cluster at `address` (nothing to do when already connected)."""
+    ray = _ray()
+    if ray.is_initialized():
+        return
+    endpoint = _endpoint(address)
+    if endpoint is not None:
+        try:
+            socket.create_connection(endpoint, timeout=CONNECT_TIMEOUT_S).close()
+        except OSError as exc:
+            where = f"{endpoint[0]}:{endpoint[1]}"
+            raise InvalidInputError(
+                f"{FLAG} {address}: no Ray cluster reachable at {where} ({exc.strerror or exc})"
+            ) from None
+    try:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, namespace="recycle")
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise InvalidInputError(f"{FLAG} {address}: cannot connect: {first}") from None
+
+
+def in_flight(ray: Any) -> int:
+    """How many tasks to keep submitted: enough to keep every CPU of the cluster busy, and few enough
+    that each `ray.wait` over them stays cheap with thousands of scenarios."""
+    return max(16, 4 * int(ray.cluster_resources().get("CPU", 1)))
+
+
+def plan_on_ray(
+    address: str,
+    job_json: str,
+    scenarios: list[FailureScenario],
+    use_cpsat: bool,
+    time_limit_s: float,
+    record: Callable[[dict[str, Any]], None],
+) -> int:
+    """Plan `scenarios` as Ray tasks, passing each record to `record` as it finishes; returns how many
+    tasks were submitted again after their worker or node died."""
+    ray = _ray()
+    connect(address)
+    from ray import exceptions as rx
+
+    from whatif.precompute import _plan_task
+
+    lost_types = (
+        rx.WorkerCrashedError,
+        rx.NodeDiedError,
+        rx.ObjectLostError,  # incl. a result whose node died before we fetched it
+        rx.LocalRayletDiedError,
+        rx.OutOfMemoryError,
+    )
+    # max_retries=0: resubmitted here, so a lost result is retried too and each retry is reported
+    task = ray.remote(num_cpus=1, max_retries=0)(_plan_task)
+    job_ref = ray.put(job_json)
+
+    def submit(scenario_json: str) -> Any:
+        return task.remote(job_ref, scenario_json, use_cpsat, time_limit_s)
+
+    queue = [s.model_dump_json() for s in reversed(scenarios)]  # popped from the end: in order
+    pending: dict[Any, tuple[str, int]] = {}  # in flight: ref -> (scenario, resubmissions so far)
+    retried, window, window_at = 0, 0, -math.inf
+    while queue or pending:
+        if time.monotonic() - window_at > WINDOW_REFRESH_S:  # the cluster may have grown
+            window, window_at = in_flight(ray), time.monotonic()
+        while queue and len(pending) < window:
+            s_json = queue.pop()
+            pending[submit(s_json)] = (s_json, 0)
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        for ref in ready:
+            s_json, attempt = pending.pop(ref)
+            try:
+                rec = ray.get(ref)
+            except lost_types as exc:
+                if attempt >= RETRIES:
+                    raise RuntimeError(f"a scenario was lost {attempt + 1} times on Ray: {s_json}") from exc
+                log.warning(
+                    "precompute on Ray: a scenario was lost with its worker or node (%s); submitting it "
+                    "again (retry %d of %d)",
+                    type(exc).__name__,
+                    attempt + 1,
+                    RETRIES,
+                )
+                pending[submit(s_json)] = (s_json, attempt + 1)
+                retried += 1
+                continue
+            except rx.RayError as exc:
+                if "ModuleNotFoundError" in str(exc):
+                    raise InvalidInputError(
+                        f"{FLAG} {address}: the Ray workers cannot import recycle; pip install it into the "
+                        "Python that runs `ray start` on every node"
+                    ) from None
+                raise
+            record(rec)
+    return retried
