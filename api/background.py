@@ -7,52 +7,99 @@ import logging
 import time
 import uuid
 
+from api.job_sync import SharedHeartbeats
 from api.jobs import JobRuntime, JobService
 from api.models import EventIn
 from api.solver import enumerate_scenarios
-from api.store import PlanRecord
+from api.store import PlanRecord, StoreUnavailableError
+from planner.contract import FailureScenario
 
 log = logging.getLogger(__name__)
 
 MAX_PRECOMPUTED_KEYS = 2000  # per job; beyond this, scenarios are planned on demand
+RETRY_S = 0.5  # wait before retrying keys another replica claimed, or after the database was unreachable
 
 
 async def precompute(service: JobService, rt: JobRuntime) -> None:
     """Plan (greedy + CP-SAT) every normalized scenario up to the job's max_failures, fewest first.
 
-    Keys already in the store are skipped, so after a restart it resumes where it stopped.
-    Progress is persisted in the job record (precompute_total, precompute_done).
+    Keys already in the store are skipped, so after a restart it resumes where it stopped. On a store
+    shared by replicas each key is claimed first (api/store_coord.py): replicas precomputing the same
+    job split the keys, and a key whose claimer died is taken over. Progress (precompute_total, the
+    keys stored or given up as precompute_done) is persisted in the job record. While the database is
+    unreachable it waits and resumes.
     """
+    while True:
+        try:
+            await _precompute(service, rt)
+            return
+        except StoreUnavailableError as exc:
+            log.warning("job %s: precompute paused: %s", rt.record.id, exc)
+            await asyncio.sleep(RETRY_S)
+
+
+async def _precompute(service: JobService, rt: JobRuntime) -> None:
     rec = rt.record
+    store, coord = service.store, service.coord
     scenarios = await asyncio.to_thread(enumerate_scenarios, rt.job, rec.max_failures, MAX_PRECOMPUTED_KEYS)
     keys = [(await asyncio.to_thread(_key, rt, sc), sc) for sc in scenarios]
-    stored = service.store.plan_keys([k for k, _ in keys])
-    todo = [(k, sc) for k, sc in keys if k not in stored]
-    rec.precompute_total, rec.precompute_done = len(keys), len(keys) - len(todo)
-    progress = {"precompute_total": rec.precompute_total, "precompute_done": rec.precompute_done}
-    service.store.apply(rec.id, progress)
+    all_keys = [k for k, _ in keys]
+    given_up: set[str] = set()
+
+    def progress() -> set[str]:
+        finished = store.plan_keys(all_keys) | given_up
+        rec.precompute_total, rec.precompute_done = len(keys), len(finished)
+        store.apply(
+            rec.id, {"precompute_total": rec.precompute_total, "precompute_done": rec.precompute_done}
+        )
+        return finished
+
+    finished = progress()
     limit = service.settings.cap_time_limit(None, service.settings.precompute_time_limit_s).total_seconds()
-    for key, sc in todo:
-        if rec.state == "finished":
-            return  # nobody will ask for another plan of this job
-        t0 = time.perf_counter()
-        try:
-            out = await service.solver.submit_background(1, rec.spec_json, sc.model_dump_json(), limit, True)
-        except Exception:
-            log.exception("job %s: precompute of %s failed", rec.id, key)
-            continue
-        service.metrics.solve_seconds.labels(purpose="precompute").observe(time.perf_counter() - t0)
-        service.metrics.solves.labels(purpose="precompute", source=out.source or "error").inc()
-        if out.error is None:
-            service.store.put_plan(PlanRecord(out.key, out.canonical_json, "refined", out.iteration_time_ms))
-        rec.precompute_done += 1
-        service.store.apply(rec.id, {"precompute_done": rec.precompute_done})
+    todo = [(k, sc) for k, sc in keys if k not in finished]
+    while todo:
+        claimed_elsewhere = []
+        for key, sc in todo:
+            if rec.state == "finished":
+                return  # nobody will ask for another plan of this job
+            if not coord.try_claim(key):
+                claimed_elsewhere.append((key, sc))
+                continue
+            try:
+                if coord.shared and store.plan_keys([key]):
+                    continue  # another replica planned it meanwhile
+                if not await _solve(service, rt, key, sc, limit):
+                    given_up.add(key)
+            finally:
+                coord.release_claim(key)
+            progress()
+        if claimed_elsewhere:
+            await asyncio.sleep(RETRY_S)  # another replica is planning them: take over if it dies
+            finished = progress()
+        todo = [(k, sc) for k, sc in claimed_elsewhere if k not in finished]
 
 
-def _key(rt: JobRuntime, scenario: object) -> str:
+async def _solve(service: JobService, rt: JobRuntime, key: str, sc: FailureScenario, limit: float) -> bool:
+    """CP-SAT for one key in the background pool; the plan is stored. False when it failed."""
+    rec = rt.record
+    t0 = time.perf_counter()
+    try:
+        out = await service.solver.submit_background(1, rec.spec_json, sc.model_dump_json(), limit, True)
+    except Exception:
+        log.exception("job %s: precompute of %s failed", rec.id, key)
+        return False
+    service.metrics.solve_seconds.labels(purpose="precompute").observe(time.perf_counter() - t0)
+    service.metrics.solves.labels(purpose="precompute", source=out.source or "error").inc()
+    if out.error is not None:
+        return False
+    service.store.put_plan(PlanRecord(out.key, out.canonical_json, "refined", out.iteration_time_ms))
+    return True
+
+
+def _key(rt: JobRuntime, scenario: FailureScenario) -> str:
     from planner.normalize import normalize
 
-    return normalize(rt.job, scenario).key  # type: ignore[arg-type]
+    return normalize(rt.job, scenario).key
 
 
 MIN_CHECK_S = 0.01  # the heartbeat loop never wakes more often than this
@@ -94,16 +141,23 @@ async def heartbeat_loop(service: JobService) -> None:
     """Declare silent workers failed through the ordinary event path.
 
     Checks every heartbeat_check_s, and sooner when a tracked worker's silence reaches its job's
-    timeout before then: a worker is declared failed right after `timeout` s without a request."""
+    timeout before then: a worker is declared failed right after `timeout` s without a request. On a
+    store shared by replicas, poll arrivals are published to the store on every check, and a worker
+    another replica saw recently is not failed (api/job_sync.py's SharedHeartbeats)."""
     delay = service.settings.heartbeat_check_s
+    shared = SharedHeartbeats(service) if service.coord.shared else None
     while True:
         await asyncio.sleep(delay)
         now = time.monotonic()
         delay = service.settings.heartbeat_check_s
+        if shared is not None:
+            shared.publish(now)
         for rt in list(service.jobs.values()):
             silent, deadline = scan_heartbeats(rt, now, service.settings.heartbeat_timeout_s)
             if deadline is not None:
                 delay = min(delay, deadline - now + CHECK_SLACK_S)
+            if silent and shared is not None:
+                silent = shared.still_silent(rt, silent, now)
             if not silent:
                 continue
             for w in silent:

@@ -73,6 +73,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     )
     s.add_argument("--data-dir", help="SQLite store directory (default $RECYCLE_DATA_DIR or ./recycle-data)")
     s.add_argument(
+        "--database",
+        metavar="URL",
+        help="postgresql://user:password@host:port/db: store in PostgreSQL instead of --data-dir; several "
+        "replicas may serve one database (default $RECYCLE_DATABASE_URL)",
+    )
+    s.add_argument(
         "--insecure-dev",
         action="store_true",
         help="run without a controller token (no auth)",
@@ -113,6 +119,24 @@ def check_dir(path: Path, what: str = "--data-dir") -> str | None:
     return None
 
 
+def check_database(settings: object) -> str | None:
+    """None when the database of `settings` (api.settings.Settings with database_url) parses, accepts
+    a connection and has a schema this code knows (missing migrations are applied), else why not."""
+    from api.records import SchemaTooNewError, StoreUnavailableError
+    from api.settings import Settings
+
+    assert isinstance(settings, Settings) and settings.database_url is not None
+    try:
+        from api.store_pg import PostgresStore
+    except ImportError as exc:
+        return f"--database needs psycopg (pip install 'recycle[service]'): {exc}"
+    try:
+        PostgresStore(settings.database_url.get_secret_value(), settings).close()
+    except (ValueError, StoreUnavailableError, SchemaTooNewError) as exc:
+        return f"--database: {exc}"
+    return None
+
+
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket (bound before anything else starts); OSError with a readable message."""
     try:
@@ -133,9 +157,9 @@ def bind(host: str, port: int) -> socket.socket:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Start uvicorn on the app. Exit code 2 for a bad setting (no controller token and no
-    --insecure-dev, an unusable data directory or PROMETHEUS_MULTIPROC_DIR, a host or port that
-    cannot be bound), 0 after a graceful stop (SIGINT or SIGTERM), 1 when the application failed to
-    start."""
+    --insecure-dev, an unusable data directory or PROMETHEUS_MULTIPROC_DIR, a database URL that does
+    not parse or connect or whose schema is newer than this code, a host or port that cannot be
+    bound), 0 after a graceful stop (SIGINT or SIGTERM), 1 when the application failed to start."""
     previous = signal.signal(signal.SIGTERM, _stop)
     try:
         return _serve(args)
@@ -156,6 +180,8 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["data_dir"] = Path(args.data_dir)
     if args.insecure_dev:
         overrides["insecure_dev"] = True
+    if args.database:
+        overrides["database_url"] = args.database
     settings = Settings(**overrides)  # type: ignore[arg-type]
     try:
         settings.check_startable()
@@ -166,7 +192,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     metrics_dir = multiproc_dir()
     for problem in (
-        check_dir(settings.data_dir),
+        check_database(settings) if settings.database_url else check_dir(settings.data_dir),
         None if metrics_dir is None else check_dir(Path(metrics_dir), MULTIPROC_ENV),
     ):
         if problem is not None:

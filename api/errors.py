@@ -4,7 +4,8 @@ Domain code (planner/, api/jobs.py) raises its own exception types; install_erro
 registers the mapping: invalid input 422, unknown job 404, unrecoverable failure set 409 (naming
 the stage and saying to restore from a checkpoint), conflicting event_id 409, an event for a
 finished job 409, `done` from a worker the job has as failed 409, an Idempotency-Key reused for
-another body 422, planner bug 500, solver overload 503.
+another body 422, planner bug 500, solver overload 503, database unreachable (PostgreSQL down or
+restarting, no free connection) or a version another replica committed first 503 (retry).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from api.records import StoreUnavailableError, VersionConflictError
 from api.validation import install_validation
 from planner.errors import InvalidInputError, ScheduleRuleError, UnrecoverableScenarioError
 
@@ -78,5 +80,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(WorkerFailedError, _simple(409, "worker_failed"))
     app.add_exception_handler(IdempotencyConflictError, _simple(422, "idempotency_key_reused"))
     app.add_exception_handler(SolverBusyError, _simple(503, "solver_busy"))
+    app.add_exception_handler(StoreUnavailableError, _simple(503, "database_unavailable"))
+    app.add_exception_handler(VersionConflictError, _simple(503, "version_conflict"))
     app.add_exception_handler(ScheduleRuleError, _simple(500, "planner_bug"))
     install_validation(app)  # 422 naming the field for NaN/Infinity in a body, never echoing them

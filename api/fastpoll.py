@@ -22,6 +22,7 @@ from fastapi import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from api.deps import authenticate
+from api.records import StoreUnavailableError
 from api.routes.schedule import WAIT_HEADER, etag_version, long_poll
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ async def answer_poll(app: FastAPI, scope: Scope, receive: Receive, send: Send) 
     scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
     try:
         principal = authenticate(token if scheme.lower() == "bearer" else None, service.settings, service)
-    except HTTPException:
+    except (HTTPException, StoreUnavailableError):  # the route answers (401, or 503 without the database)
         return False
     job_id = match.group(1)
     rt = service.jobs.get(job_id)

@@ -7,7 +7,9 @@ Schedules come from the precomputed plan of the scenario's key when there is one
 greedy solve in the `events` pool, followed by a CP-SAT refinement in the background.
 
 The service is layered: api/versions.py plans, commits and refines versions; api/job_events.py applies
-each event kind; this module holds the registry (jobs, tokens, creation, switches, start-up).
+each event kind; this module holds the registry (jobs, tokens, creation, switches, start-up). On a
+store shared by several replicas (PostgreSQL) a job or token this process does not know yet is read
+from the store on first use, and api/job_sync.py follows the other replicas' changes.
 
 A job is `running`, `needs_restore` (a whole stage lost) or `finished`: every alive worker posted a
 `done` event (it completed its iterations and stops polling). A finished job takes no more events
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 
 from api.errors import JobNotFoundError
 from api.idempotency import new_record
@@ -38,6 +41,7 @@ from api.rules import check_dimensions
 from api.settings import Settings
 from api.solver import Solver
 from api.store import JobRecord, Store
+from api.store_coord import Coordinator
 from planner.contract import FailureScenario, JobSpec
 from planner.errors import InvalidInputError
 
@@ -47,31 +51,56 @@ __all__ = ["POLL_WAIT_FRACTION", "JobRuntime", "JobService", "Plan", "all_done",
 class JobService(JobEvents):
     """Jobs, events and schedule versions; the routes are thin wrappers around these methods."""
 
-    def __init__(self, settings: Settings, store: Store, solver: Solver, metrics: Metrics) -> None:
-        super().__init__(settings, store, solver, metrics)
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        solver: Solver,
+        metrics: Metrics,
+        coord: Coordinator | None = None,
+    ) -> None:
+        super().__init__(settings, store, solver, metrics, coord)
         self.jobs: dict[str, JobRuntime] = {}
         self._token_jobs: dict[str, str] = {}  # worker token hash -> job id (every poll authenticates)
+        self.on_new_job: Callable[[JobRuntime], None] | None = None  # a job another replica registered
 
     def load(self) -> list[JobRuntime]:
         """Read every job and its latest version from the store (at start-up)."""
         for rec in self.store.list_jobs():
-            rt = JobRuntime(
-                record=rec,
-                job=JobSpec.model_validate_json(rec.spec_json),
-                scenario=FailureScenario.model_validate_json(rec.scenario_json),
-                done={(int(d), int(s)) for d, s in rec.done_workers},
-            )
-            latest = self.store.latest_version(rec.id)
-            if latest is not None:
-                rt.view = self._view(rt, latest)
-            self.jobs[rec.id] = rt
-            self._token_jobs[rec.worker_token_hash] = rec.id
-        self.metrics.jobs.set(len(self.jobs))
+            if rec.id not in self.jobs:  # (a replica's listener may have added it already)
+                self.add(rec)
         return list(self.jobs.values())
+
+    def add(self, rec: JobRecord) -> JobRuntime:
+        """Hold job `rec` (read from the store) in memory, with its current version."""
+        rt = JobRuntime(
+            record=rec,
+            job=JobSpec.model_validate_json(rec.spec_json),
+            scenario=FailureScenario.model_validate_json(rec.scenario_json),
+            done={(int(d), int(s)) for d, s in rec.done_workers},
+        )
+        latest = self.store.get_version(rec.id, rec.version) if rec.version else None
+        if latest is not None:
+            rt.view = self._view(rt, latest)
+        self.jobs[rec.id] = rt
+        self._token_jobs[rec.worker_token_hash] = rec.id
+        self.metrics.jobs.set(len(self.jobs))
+        return rt
+
+    def fetch(self, job_id: str) -> JobRuntime | None:
+        """The job from memory or, on a shared store, from the store (registered by another replica)."""
+        rt = self.jobs.get(job_id)
+        if rt is None and self.coord.shared:
+            rec = self.store.get_job(job_id)
+            if rec is not None:
+                rt = self.add(rec)
+                if self.on_new_job is not None:
+                    self.on_new_job(rt)
+        return rt
 
     def get(self, job_id: str) -> JobRuntime:
         """The job's runtime, or JobNotFoundError."""
-        rt = self.jobs.get(job_id)
+        rt = self.fetch(job_id)
         if rt is None:
             raise JobNotFoundError(job_id)
         return rt
@@ -89,8 +118,15 @@ class JobService(JobEvents):
         return cap
 
     def job_id_for_token(self, token: str) -> str | None:
-        """The job whose worker token this is, if any (from memory: every job of this process is loaded)."""
-        return self._token_jobs.get(hash_token(token))
+        """The job whose worker token this is, if any (from memory; on a shared store a token of a job
+        another replica registered is looked up there)."""
+        token_hash = hash_token(token)
+        job_id = self._token_jobs.get(token_hash)
+        if job_id is None and self.coord.shared:
+            job_id = self.store.job_id_for_token_hash(token_hash)
+            if job_id is not None and self.fetch(job_id) is None:
+                job_id = None
+        return job_id
 
     async def create(self, req: JobCreate, idempotency_key: str | None = None) -> tuple[JobRuntime, str]:
         """Register a job, publish version 1 (failure-free plan); returns the runtime and worker token.
@@ -119,11 +155,13 @@ class JobService(JobEvents):
             answer = JobCreated(id=rec.id, worker_token=token, version=1, state="running")
             idem = new_record(idempotency_key, req, answer)
         self.store.create_job(rec, idem)
-        rt = JobRuntime(record=rec, job=req.job, scenario=FailureScenario())
-        self.jobs[rec.id] = rt
-        self._token_jobs[rec.worker_token_hash] = rec.id
-        self.metrics.jobs.set(len(self.jobs))
-        async with rt.lock:
+        rt = self.jobs.get(rec.id)  # the listener may have added it already (its NOTIFY)
+        if rt is None:
+            rt = JobRuntime(record=rec, job=req.job, scenario=FailureScenario())
+            self.jobs[rec.id] = rt
+            self._token_jobs[rec.worker_token_hash] = rec.id
+            self.metrics.jobs.set(len(self.jobs))
+        async with self.locked(rt):
             await self._install(rt, rt.scenario, event=None)
         return rt, token
 
@@ -131,7 +169,7 @@ class JobService(JobEvents):
         """Publish a plan for a job that has none (it crashed between creation and its first version),
         and the restore version of an auto-restore job left `needs_restore` (it crashed between the two
         versions of a restore)."""
-        async with rt.lock:
+        async with self.locked(rt):
             if rt.view is None and rt.record.state == "running":
                 await self._install(rt, rt.scenario, event=None)
             elif rt.record.state == "needs_restore" and rt.record.restore_policy == "auto":
@@ -167,12 +205,13 @@ class JobService(JobEvents):
         `still_silent` (the heartbeat loop's `fail`, decided before taking the lock): workers that
         reported `done` or polled again meanwhile are left out."""
         rt = self.get(job_id)
-        async with rt.lock:
+        async with self.locked(rt):
             if still_silent:
+                failed = {(int(d), int(s)) for d, s in rt.scenario.failed}  # (another replica's, maybe)
                 silent = [
                     w
                     for w in event.workers
-                    if (w[0], w[1]) not in rt.done and (w[0], w[1]) not in rt.last_seen
+                    if (w[0], w[1]) not in rt.done | failed and (w[0], w[1]) not in rt.last_seen
                 ]
                 if not silent:
                     return self._result(rt, event.event_id, rt.version, changed=False), []

@@ -14,13 +14,15 @@ from starlette.types import Receive, Scope, Send
 from api.background import heartbeat_loop, precompute
 from api.errors import install_error_handlers
 from api.fastpoll import answer_poll
-from api.jobs import JobService
+from api.job_sync import ReplicaSync
+from api.jobs import JobRuntime, JobService
 from api.metrics import Metrics
 from api.middleware import BodyLimitMiddleware, TimingMiddleware
 from api.routes import events, health, jobs, pages, plan, schedule
 from api.settings import Settings, get_settings
 from api.solver import Solver
-from api.store import SQLiteStore
+from api.store import Store, open_store
+from api.store_coord import Coordinator, LocalCoordinator
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,16 @@ class ServiceApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
+def _coordinator(store: Store) -> Coordinator:
+    if store.shared:
+        from api.store_pg import PostgresStore
+        from api.store_pg_coord import PgCoordinator
+
+        assert isinstance(store, PostgresStore)
+        return PgCoordinator(store)
+    return LocalCoordinator()
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the service. Without `settings`, they come from the environment (RECYCLE_*).
 
@@ -45,21 +57,32 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = SQLiteStore(settings.data_dir)
+        store = open_store(settings)
+        coord = _coordinator(store)
         solver = Solver(settings.solver_processes, settings.background_processes)
-        service = JobService(settings, store, solver, metrics)
+        service = JobService(settings, store, solver, metrics, coord)
         app.state.service = service
         tasks: set[asyncio.Task[None]] = set()
         app.state.tasks = tasks
+
+        def start_precompute(rt: JobRuntime) -> None:
+            rec = rt.record
+            unplanned = rec.precompute_total == 0 or rec.precompute_done < rec.precompute_total
+            name = f"precompute-{rec.id}"
+            if unplanned and rec.state != "finished" and not any(t.get_name() == name for t in tasks):
+                task = asyncio.create_task(precompute(service, rt), name=name)
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+
+        service.on_new_job = start_precompute  # a job another replica registered: share its precompute
+        sync = ReplicaSync(service)
+        coord.start(asyncio.get_running_loop(), sync.on_change, sync.on_resync)
         runtimes = service.load()
         solver.start()
         for rt in runtimes:
             if rt.view is None or (rt.record.state == "needs_restore" and rt.record.restore_policy == "auto"):
                 await service.ensure_version(rt)
-            rec = rt.record
-            unplanned = rec.precompute_total == 0 or rec.precompute_done < rec.precompute_total
-            if unplanned and rec.state != "finished":
-                tasks.add(asyncio.create_task(precompute(service, rt), name=f"precompute-{rt.record.id}"))
+            start_precompute(rt)
         tasks.add(asyncio.create_task(heartbeat_loop(service)))
         gc.collect()
         gc.freeze()  # start-up objects leave the collector's generations: shorter pauses under load
@@ -73,6 +96,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await service.stop()
+            coord.stop()
             solver.shutdown()
             store.close()
             metrics.close()

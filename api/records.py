@@ -1,4 +1,5 @@
-"""The store's records and the Store protocol the service depends on (api/store.py implements it)."""
+"""The store's records and the Store protocol the service depends on (api/store_sqlite.py and
+api/store_pg.py implement it; api/store.py opens the one the settings name)."""
 
 from __future__ import annotations
 
@@ -85,11 +86,28 @@ class IdempotencyRecord:
 
 
 class VersionConflictError(RuntimeError):
-    """apply() was given a version that is not the job's current version + 1."""
+    """apply() was given a version that is not the job's current version + 1 (another replica
+    committed first: the caller refreshes the job and the client retries)."""
+
+
+class StoreUnavailableError(RuntimeError):
+    """The database cannot be reached (PostgreSQL down or restarting): the request is answered 503
+    and nothing was changed in memory; the store reconnects by itself."""
+
+
+class SchemaTooNewError(RuntimeError):
+    """The database was migrated by a newer version of recycle than this one."""
 
 
 class Store(Protocol):
-    """What the service needs from persistence."""
+    """What the service needs from persistence. `shared` is true when several service processes
+    (replicas) may use the same store at once (PostgreSQL): the service then coordinates through
+    the database (api/store_coord.py) and refreshes its in-memory jobs from it."""
+
+    @property
+    def shared(self) -> bool: ...
+    @property
+    def path(self) -> object: ...  # where the data is, for logs (a file, or a URL without its password)
 
     def create_job(self, job: JobRecord, idempotency: IdempotencyRecord | None = None) -> None: ...
     def get_idempotency(self, key_hash: str) -> IdempotencyRecord | None: ...

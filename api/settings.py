@@ -21,6 +21,26 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RECYCLE_", extra="ignore")
 
     data_dir: Path = Field(default=Path("recycle-data"), description="Directory of the SQLite store.")
+    database_url: SecretStr | None = Field(
+        default=None,
+        description="postgresql://user:password@host:port/db: store in PostgreSQL instead of SQLite (several "
+        "replicas may share it); `--database` wins.",
+    )
+    database_pool_size: int = Field(
+        default=16, ge=2, le=256, description="Most PostgreSQL connections of one service process."
+    )
+    database_timeout_s: float = Field(
+        default=3.0,
+        gt=0,
+        le=60,
+        description="Longest wait for a PostgreSQL connection (connect, or a free one in the pool) before a "
+        "request is answered 503.",
+    )
+    test_kill_in_apply: str | None = Field(
+        default=None,
+        description="Test hook, never set in production: `before_commit:EVENT_ID` or `after_commit:EVENT_ID` "
+        "makes the PostgreSQL store SIGKILL its own process while committing that event.",
+    )
     controller_token: SecretStr | None = Field(
         default=None, description="Bearer token for mutating endpoints; required unless insecure_dev."
     )

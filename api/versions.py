@@ -3,15 +3,20 @@ for a scenario (the precomputed plan of its key, relabelled, else a greedy solve
 the next version committed to the store in one transaction with the job's new scenario/state and the
 event that caused it (and only then published in memory, waking the job's long-polls), and the CP-SAT
 refinement in the background that publishes a better plan for a scenario that is still current.
-Every method runs with the job's lock held (but `_refine`, which takes it).
+Every method runs with the job's lock held (but `_refine`, which takes it). The job's lock is `locked()`:
+its asyncio lock and, on a store shared by several replicas (PostgreSQL), its database lock as well,
+with the job re-read from the database first (`refresh()`: another replica may have changed it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pydantic_core
@@ -21,7 +26,15 @@ from api.metrics import Metrics
 from api.restore import joined_after
 from api.settings import Settings
 from api.solver import Solver, raise_error, relabel_canonical
-from api.store import EventRecord, PlanRecord, Store, VersionRecord
+from api.store import (
+    EventRecord,
+    PlanRecord,
+    Store,
+    StoreUnavailableError,
+    VersionConflictError,
+    VersionRecord,
+)
+from api.store_coord import Coordinator, LocalCoordinator
 from api.views import VersionView
 from planner.contract import FailureScenario
 from planner.normalize import normalize
@@ -32,9 +45,54 @@ log = logging.getLogger("api.jobs")  # the job service's one logger (log filters
 class VersionPublisher:
     """Plans, commits and refines schedule versions of jobs (see the module docstring)."""
 
-    def __init__(self, settings: Settings, store: Store, solver: Solver, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        solver: Solver,
+        metrics: Metrics,
+        coord: Coordinator | None = None,
+    ) -> None:
         self.settings, self.store, self.solver, self.metrics = settings, store, solver, metrics
+        self.coord: Coordinator = coord or LocalCoordinator()
         self._tasks: set[asyncio.Task[None]] = set()  # refinements (kept referenced until done)
+
+    @contextlib.asynccontextmanager
+    async def locked(self, rt: JobRuntime) -> AsyncIterator[None]:
+        """Hold the job's lock (see the module docstring); on a shared store the job is fresh inside."""
+        async with rt.lock, self.coord.job_lock(rt.record.id):
+            if self.coord.shared:
+                self.refresh(rt)
+            yield
+
+    def refresh(self, rt: JobRuntime) -> None:
+        """Re-read the job from the store (another replica may have changed it): its record in place
+        (references to it stay valid), scenario, done set and, when the version moved, the published
+        view; parked long-polls are woken when the version or the heartbeat switches changed."""
+        rec = self.store.get_job(rt.record.id)
+        if rec is None:
+            return
+        old = rt.record
+        moved = rec.version != old.version or (rt.view is None and rec.version > 0)
+        wake = moved or (rec.heartbeat_enabled, rec.heartbeat_timeout_s) != (
+            old.heartbeat_enabled,
+            old.heartbeat_timeout_s,
+        )
+        if rec.scenario_json != old.scenario_json:
+            before = {(int(d), int(s)) for d, s in rt.scenario.failed}
+            rt.scenario = FailureScenario.model_validate_json(rec.scenario_json)
+            rt.scenario_seq += 1
+            for w in before ^ {(int(d), int(s)) for d, s in rt.scenario.failed}:
+                rt.last_seen.pop(w, None)
+        for f in dataclasses.fields(rec):
+            setattr(old, f.name, getattr(rec, f.name))
+        rt.done = {(int(d), int(s)) for d, s in rec.done_workers}
+        if moved:
+            ver = self.store.get_version(rec.id, rec.version)
+            if ver is not None:
+                rt.view = self._view(rt, ver)
+        if wake:
+            self._wake(rt)
 
     async def stop(self) -> None:
         """Cancel pending refinements (at shutdown)."""
@@ -184,21 +242,41 @@ class VersionPublisher:
         return self._make_view(rt, ver.version, rt.record.state, ver.source, schedule)
 
     async def _refine(self, rt: JobRuntime, scenario: FailureScenario, seq: int) -> None:
-        """CP-SAT for the current scenario in the background; publish it if it is still current and better."""
+        """CP-SAT for the current scenario in the background; publish it if it is still current and better.
+
+        The scenario's key is claimed first (api/store_coord.py): when another replica is planning it
+        right now (its precompute), this one does not plan it again; that plan is stored for the
+        next event of the key."""
         limit = self.settings.cap_time_limit(None, self.settings.refine_time_limit_s).total_seconds()
+        key = normalize(rt.job, scenario).key
         try:
-            t0 = time.perf_counter()
-            args = (rt.record.spec_json, scenario.model_dump_json(), limit, True)
-            out = await self.solver.submit_background(0, *args)
+            if not self.coord.try_claim(key):
+                log.info("job %s: %s is being planned by another replica", rt.record.id, key)
+                return
+            try:
+                t0 = time.perf_counter()
+                args = (rt.record.spec_json, scenario.model_dump_json(), limit, True)
+                out = await self.solver.submit_background(0, *args)
+            finally:
+                self.coord.release_claim(key)
             self.metrics.solve_seconds.labels(purpose="refine").observe(time.perf_counter() - t0)
             self.metrics.solves.labels(purpose="refine", source=out.source or "error").inc()
+        except StoreUnavailableError as exc:
+            log.warning("job %s: refinement skipped: %s", rt.record.id, exc)
+            return
         except Exception:
             log.exception("job %s: refinement failed", rt.record.id)
             return
         if out.error is not None:
             return
-        self.store.put_plan(PlanRecord(out.key, out.canonical_json, "refined", out.iteration_time_ms))
-        async with rt.lock:
+        try:
+            self.store.put_plan(PlanRecord(out.key, out.canonical_json, "refined", out.iteration_time_ms))
+            await self._publish_refined(rt, scenario, seq, out)
+        except (StoreUnavailableError, VersionConflictError) as exc:
+            log.warning("job %s: refinement not published: %s", rt.record.id, exc)
+
+    async def _publish_refined(self, rt: JobRuntime, scenario: FailureScenario, seq: int, out: Any) -> None:
+        async with self.locked(rt):
             current = rt.view
             if rt.scenario_seq != seq or current is None or rt.record.state == "finished":
                 return

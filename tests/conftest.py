@@ -19,3 +19,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is false)")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def pg_server():  # type: ignore[no-untyped-def]
+    """One throw-away PostgreSQL server for the session (bench/pg_cluster.py); skips the test when no
+    PostgreSQL binaries are installed (.ci/run installs Debian's `postgresql`)."""
+    from bench.pg_cluster import PgCluster, find_bindir
+
+    if find_bindir() is None:
+        pytest.skip("no PostgreSQL binaries (initdb, pg_ctl, postgres): apt-get install postgresql")
+    with PgCluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def pg_database(pg_server, request: pytest.FixtureRequest) -> str:  # type: ignore[no-untyped-def]
+    """The URL of a fresh database on the session's PostgreSQL server."""
+    import re
+
+    pg_database.count = getattr(pg_database, "count", 0) + 1  # type: ignore[attr-defined]
+    name = re.sub(r"\W", "_", request.node.name.lower())[:40] + f"_{pg_database.count}"  # type: ignore[attr-defined]
+    return str(pg_server.create_database(name))

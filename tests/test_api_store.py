@@ -1,17 +1,29 @@
-"""The SQLite store (transactions, monotonic versions, plan upgrades, reopen) and canonical plan mapping."""
+"""The stores (transactions, monotonic versions, plan upgrades, reopen), on both back-ends: SQLite and
+a real PostgreSQL server (bench/pg_cluster.py, skipped without its binaries); and canonical plan mapping."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from api.settings import Settings
 from api.solver import enumerate_scenarios, from_canonical, relabel_canonical, to_canonical
-from api.store import EventRecord, JobRecord, PlanRecord, SQLiteStore, VersionConflictError, VersionRecord
+from api.store import (
+    EventRecord,
+    JobRecord,
+    PlanRecord,
+    SQLiteStore,
+    Store,
+    VersionConflictError,
+    VersionRecord,
+    open_store,
+)
 from planner.contract import FailureScenario, JobSpec, SlowWorker
 from planner.errors import UnrecoverableScenarioError
 from planner.normalize import normalize
@@ -34,7 +46,17 @@ JOB = JobSpec.model_validate(
 )
 
 
-def _job(store: SQLiteStore, job_id: str = "j1") -> None:
+@pytest.fixture(params=["sqlite", "postgresql"])
+def reopen(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:
+    """Opens the same store (a fresh one per test) on the back-end of the parameter, each call anew."""
+    settings = Settings(data_dir=tmp_path)
+    if request.param == "postgresql":
+        url = request.getfixturevalue("pg_database")
+        settings = Settings(database_url=url)
+    return lambda: open_store(settings)
+
+
+def _job(store: Store, job_id: str = "j1") -> None:
     store.create_job(JobRecord(job_id, "n", "{}", f"hash-{job_id}", time.time()))
 
 
@@ -70,8 +92,8 @@ def _ver(job_id: str, v: int) -> VersionRecord:
     return VersionRecord(job_id, v, "{}", f'{{"v": {v}}}', "greedy", 1.0, None, time.time())
 
 
-def test_versions_are_consecutive_and_atomic(tmp_path: Path) -> None:
-    store = SQLiteStore(tmp_path)
+def test_versions_are_consecutive_and_atomic(reopen: Callable[[], Store]) -> None:
+    store = reopen()
     _job(store)
     store.apply("j1", {}, version=_ver("j1", 1))
     with pytest.raises(VersionConflictError):
@@ -84,7 +106,7 @@ def test_versions_are_consecutive_and_atomic(tmp_path: Path) -> None:
     assert job is not None and job.state == "running" and job.version == 1
     store.apply("j1", {"unrecoverable_stages": [2]}, version=_ver("j1", 2), event=ev)
     store.close()
-    again = SQLiteStore(tmp_path)  # reopen: everything is there
+    again = reopen()  # reopen: everything is there
     job = again.get_job("j1")
     assert job is not None and job.version == 2 and job.unrecoverable_stages == [2]
     latest = again.latest_version("j1")
@@ -95,8 +117,8 @@ def test_versions_are_consecutive_and_atomic(tmp_path: Path) -> None:
     again.close()
 
 
-def test_plans_keep_the_best_and_upgrade_greedy(tmp_path: Path) -> None:
-    store = SQLiteStore(tmp_path)
+def test_plans_keep_the_best_and_upgrade_greedy(reopen: Callable[[], Store]) -> None:
+    store = reopen()
     assert store.put_plan(PlanRecord("k", "a", "greedy", 10.0))
     assert not store.put_plan(PlanRecord("k", "b", "greedy", 11.0))
     assert store.put_plan(PlanRecord("k", "c", "refined", 10.0))  # same time, now refined

@@ -1,0 +1,117 @@
+"""Following the other replicas (a store shared by several service processes, PostgreSQL): the
+listener of api/store_pg_coord.py calls on_change() on the event loop for every change another (or
+this) replica committed to a job; the job is re-read from the store under its local lock and its
+long-polls woken, so a poll parked on this replica answers an event that landed on another one.
+Notifications for one job are coalesced: one refresh runs at a time and a later one follows if more
+arrived meanwhile. After the listener reconnected (notifications may have been lost), on_resync()
+re-reads every job and picks up the jobs registered meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from api.jobs import JobRuntime, JobService
+from api.records import StoreUnavailableError
+
+log = logging.getLogger(__name__)
+
+RESYNC_TRIES, RESYNC_RETRY_S = 240, 0.5  # keep trying to re-read every job for two minutes
+
+
+class ReplicaSync:
+    """Refreshes `service`'s in-memory jobs from the store on notifications (see the module docstring)."""
+
+    def __init__(self, service: JobService) -> None:
+        self.service = service
+        self._dirty: set[str] = set()
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._resync: asyncio.Task[None] | None = None
+
+    def on_change(self, job_id: str, version: int) -> None:
+        """Re-read job `job_id` soon (its change at `version` committed; this replica's own commits
+        too: their other fields are already in memory, the re-read is one cheap query)."""
+        self._dirty.add(job_id)
+        if job_id not in self._running:
+            self._running[job_id] = asyncio.get_running_loop().create_task(self._refresh(job_id))
+
+    def on_resync(self) -> None:
+        """Re-read every job soon (the listener reconnected: notifications may have been lost)."""
+        if self._resync is None or self._resync.done():
+            self._resync = asyncio.get_running_loop().create_task(self._resync_all())
+
+    async def _resync_all(self) -> None:
+        for _ in range(RESYNC_TRIES):
+            try:
+                records = await asyncio.to_thread(self.service.store.list_jobs)
+            except StoreUnavailableError as exc:
+                log.warning("resync postponed: %s", exc)
+                await asyncio.sleep(RESYNC_RETRY_S)
+                continue
+            for rec in records:
+                self.on_change(rec.id, rec.version)
+            return
+
+    async def _refresh(self, job_id: str) -> None:
+        service = self.service
+        try:
+            while job_id in self._dirty:
+                self._dirty.discard(job_id)
+                rt = service.jobs.get(job_id)
+                if rt is None:
+                    service.fetch(job_id)
+                    continue
+                async with rt.lock:
+                    service.refresh(rt)
+        except StoreUnavailableError as exc:
+            log.warning("job %s: not refreshed: %s", job_id, exc)
+        except Exception:
+            log.exception("job %s: refresh failed", job_id)
+        finally:
+            self._running.pop(job_id, None)
+
+
+class SharedHeartbeats:
+    """Heartbeats over replicas: a worker's polls may reach any replica (a load balancer), so each
+    replica publishes the arrivals it saw (wall-clock, to the store's `heartbeats` table) and, before
+    declaring a worker failed, asks whether another replica saw it within the timeout."""
+
+    def __init__(self, service: JobService) -> None:
+        self.service = service
+        self._published: dict[tuple[str, tuple[int, int]], float] = {}
+
+    def publish(self, now: float) -> None:
+        """Publish the arrivals since the last call (`now`: time.monotonic())."""
+        wall = time.time()
+        fresh = {
+            (job_id, w): seen
+            for job_id, rt in list(self.service.jobs.items())
+            for w, seen in list(rt.last_seen.items())
+            if self._published.get((job_id, w)) != seen
+        }
+        rows = [(job_id, w[0], w[1], wall - (now - seen)) for (job_id, w), seen in fresh.items()]
+        try:
+            self.service.coord.publish_seen(rows)
+        except StoreUnavailableError as exc:
+            log.warning("heartbeats not published: %s", exc)
+            return
+        self._published.update(fresh)
+
+    def still_silent(
+        self, rt: JobRuntime, silent: list[tuple[int, int]], now: float
+    ) -> list[tuple[int, int]]:
+        """The workers of `silent` no replica saw within the job's timeout; the others count as seen
+        at the arrival another replica published. Empty while the store is unreachable (no event
+        could be committed anyway)."""
+        timeout = rt.record.heartbeat_timeout_s or self.service.settings.heartbeat_timeout_s
+        wall = time.time()
+        try:
+            seen = self.service.coord.seen_since(rt.record.id, silent, wall - timeout)
+        except StoreUnavailableError:
+            return []
+        for w, t in seen.items():
+            rt.last_seen[w] = now - (wall - t)
+            self._published[(rt.record.id, w)] = rt.last_seen[w]
+        return [w for w in silent if w not in seen]
