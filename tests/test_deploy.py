@@ -469,6 +469,15 @@ def compose_expand(line: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\$\{(\w+)(:-(\w+))?\}", lambda m: env.get(m.group(1), m.group(3) or "x"), line)
 
 
+def compose_replicas(services: dict[str, Any], host: str) -> dict[str, Any]:
+    """The services a container reaches as `host`: the one named so, or those with that network alias."""
+    return {
+        name: svc
+        for name, svc in services.items()
+        if name == host or host in (svc.get("networks") or {}).get("default", {}).get("aliases", [])
+    }
+
+
 def test_compose_one_agent_per_host_container() -> None:
     doc = yaml.safe_load(COMPOSE.read_text())
     services = doc["services"]
@@ -487,7 +496,11 @@ def test_compose_one_agent_per_host_container() -> None:
         per_host.append(workers_of(args))
         assert (args.job_id, args.token) == (JOB_ID, WORKER_TOKEN)
         url = urlsplit(args.service)
-        assert url.hostname in services and f"{url.port}:{url.port}" in services[url.hostname]["ports"]
+        replicas = compose_replicas(services, str(url.hostname))
+        assert len(replicas) >= 2, f"{name}: {url.hostname} names no service replicas"
+        for replica in replicas.values():  # each replica listens on the port the agents use
+            argv = replica["command"]
+            assert argv[argv.index("--port") + 1] == str(url.port), argv
         assert args.store.rsplit(":", 1)[0] in services
         # the checkpoint directory is a named volume every host container mounts (a shared file system)
         mounts = {v.split(":")[1]: v.split(":")[0] for v in svc["volumes"]}

@@ -4,9 +4,11 @@ parsed by the project's own argument parsers, so a renamed flag or a missing fil
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import subprocess
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -74,6 +76,43 @@ def test_compose_builds_and_volumes_exist() -> None:
             assert vol.split(":")[0] in doc["volumes"], f"{name}: volume {vol} not declared"
         for dep in svc.get("depends_on", {}):
             assert dep in doc["services"], f"{name} depends on unknown service {dep}"
+
+
+def compose_vars(text: str) -> str:
+    """Compose's ${X:-default} interpolation with every variable unset (the defaults)."""
+    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", text)
+
+
+def test_compose_replicas_share_one_postgres() -> None:
+    """Two or more service replicas (the service image), each `recycle serve --database` on the
+    compose PostgreSQL service, started once it is healthy, with a health check of their own and
+    distinct published ports; register waits for every replica to be healthy."""
+    services = compose()["services"]
+    pg = services["postgres"]
+    assert pg["image"].startswith("postgres:") and "pg_isready" in pg["healthcheck"]["test"]
+    env = pg["environment"]
+    replicas = {
+        n: s
+        for n, s in services.items()
+        if s.get("build", {}).get("dockerfile") == "docker/service.Dockerfile" and "ports" in s
+    }
+    assert len(replicas) >= 2, replicas.keys()
+    published = [port.split(":")[0] for svc in replicas.values() for port in svc["ports"]]
+    assert len(set(published)) == len(published), published
+    for name, svc in replicas.items():
+        cmd = svc["command"]
+        assert cmd[:3] == ["python", "-m", "api.cli"], name
+        args = subcommand_parser(add_serve_parser).parse_args(["serve", *cmd[3:]])
+        url = urlsplit(compose_vars(args.database))
+        assert url.scheme == "postgresql" and url.hostname == "postgres" and url.port == 5432, name
+        assert (url.username, url.path) == (env["POSTGRES_USER"], "/" + env["POSTGRES_DB"]), name
+        assert url.password == compose_vars(env["POSTGRES_PASSWORD"]), name
+        assert svc["depends_on"]["postgres"]["condition"] == "service_healthy", name
+        assert f"127.0.0.1:{args.port}/readyz" in " ".join(svc["healthcheck"]["test"]), name
+        assert svc["ports"][0].endswith(f":{args.port}"), name
+        assert "planner" in svc["networks"]["default"]["aliases"], name
+        assert services["register"]["depends_on"][name]["condition"] == "service_healthy", name
+    assert services["register"]["command"][2] == "http://planner:8000"
 
 
 # The host containers' `recycle agent` command lines (parsed by the project's parsers, every worker
