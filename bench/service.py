@@ -206,7 +206,7 @@ def run_backend(backend: str, replicas: int, args: argparse.Namespace) -> dict[s
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench.service", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="bench.service", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--pollers", type=int, default=10000, help="long-pollers connected at once (<= 20000)")
     p.add_argument("--backend", choices=["both", "sqlite", "postgres"], default="both")
     p.add_argument("--replicas", type=int, default=2, help="replicas on PostgreSQL (1..4; SQLite: 1)")
