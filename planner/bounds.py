@@ -31,9 +31,12 @@ def allocate_stage(
 ) -> StageBound:
     """Split the stage's D*M micro-batches over its alive peers so the slowest peer's period is least.
 
-    Greedy min-max: each micro-batch goes to the peer whose period grows least, which is optimal
-    for identical jobs on uniformly related machines. Ties (which peers take the micro-batches that
-    do not divide evenly) go to pipelines early in `prefer` (default: ascending index).
+    Greedy min-max: each micro-batch goes to the peer whose period with it is least. The periods
+    grow with the count, so this is optimal: if it ever gave a peer a period above the optimum, every
+    peer would already hold as many micro-batches as the optimum lets it, and they would all be
+    placed. (The OPT counts: a slow peer's longer OPT can make a fast peer the better host even
+    when its F+B+W load is already higher.) Ties (which peers take the micro-batches that do not
+    divide evenly) go to pipelines early in `prefer` (default: ascending index).
     """
     rank = {d: i for i, d in enumerate(prefer)} if prefer is not None else {}
     prof = job.stages[stage]
@@ -42,12 +45,12 @@ def allocate_stage(
     alive = [d for d in range(job.num_pipelines) if (d, stage) not in failed]
     factors = {d: scenario.slow_factor((d, stage)) for d in alive}
     counts = {d: 0 for d in alive}
-    heap = [(work * factors[d], rank.get(d, d), d) for d in alive]
+    heap = [((work + prof.optimizer) * factors[d], rank.get(d, d), d) for d in alive]
     heapq.heapify(heap)
     for _ in range(job.num_pipelines * job.num_microbatches):
         _, r, d = heapq.heappop(heap)
         counts[d] += 1
-        heapq.heappush(heap, ((counts[d] + 1) * work * factors[d], r, d))
+        heapq.heappush(heap, (((counts[d] + 1) * work + prof.optimizer) * factors[d], r, d))
     ar = job.allreduce_ms(stage)
     bound = max(counts[d] * work * factors[d] + ar + prof.optimizer * factors[d] for d in alive)
     return StageBound(stage=stage, bound_ms=bound, counts=counts)
@@ -84,18 +87,56 @@ def warmup_idle_ms(job: JobSpec, scenario: FailureScenario, stage: int, factor: 
 
 
 def memory_bound(job: JobSpec, scenario: FailureScenario) -> float:
-    """A tighter lower bound than `load_bound` where memory is tight.
+    """A tighter lower bound than `load_bound` where memory is tight or micro-batches are few.
 
-    Every worker's period is its load, all-reduce and optimizer, plus its warm-up idle
-    (`warmup_idle_ms`). Any allocation's busiest worker is at least as loaded as the balanced
-    allocation's, and every worker of the stage idles at least the least warm-up idle any of its
-    peers could have (hosting enough micro-batches to fill its memory), so their sum bounds the period.
+    A worker of stage s hosting n micro-batches has a period of at least its load, all-reduce and
+    optimizer plus its warm-up idle (`warmup_idle_ms` with `hosted=n`): round trip minus the
+    min(n, capacity / activation) Fs that can cover it. That cost never decreases with n (one more
+    micro-batch adds F+B+W and covers at most one F of idle), so the greedy min-max allocation on it
+    is optimal over all allocations, and its busiest worker bounds the period of the stage.
+    Without a memory capacity the warm-up idle is not counted (the bound is the load bound).
     """
+    failed = {tuple(w) for w in scenario.failed}
+    num_d, num_s = job.num_pipelines, job.num_stages
+    hop = min(job.comm.activation_ms, job.comm.cross_pipeline_ms)
+    factors = [
+        {d: scenario.slow_factor((d, s)) for d in range(num_d) if (d, s) not in failed} for s in range(num_s)
+    ]
+    tail = [0.0] * (num_s + 1)  # tail[s]: F+B at stages s.. with their fastest alive peer, hops
+    for s in reversed(range(num_s)):
+        prof = job.stages[s]
+        fastest = min(factors[s].values(), default=1.0)  # a stage with no alive worker: no bound here
+        tail[s] = tail[s + 1] + (prof.forward + prof.backward_input) * fastest + 2 * hop
     best = 0.0
-    for s in range(job.num_stages):
-        alloc = allocate_stage(job, scenario, s)
-        idle = min(
-            warmup_idle_ms(job, scenario, s, scenario.slow_factor((d, s)), hosted=10**9) for d in alloc.counts
-        )
-        best = max(best, alloc.bound_ms + idle)
+    for s in range(num_s):
+        if not factors[s]:
+            continue
+        prof, cap = job.stages[s], job.capacity_mib(s)
+        work = prof.forward + prof.backward_input + prof.backward_weight
+        fits = 10**9 if cap is None or prof.activation_mib <= 0 else int(cap // prof.activation_mib)
+
+        def cost(
+            d: int, n: int, s: int = s, work: float = work, fits: int = fits, cap: float | None = cap
+        ) -> float:
+            phi = factors[s][d]
+            trip = job.stages[s].forward * phi + tail[s + 1]
+            idle = (
+                0.0 if cap is None or n == 0 else max(0.0, trip - min(fits, n) * job.stages[s].forward * phi)
+            )
+            return n * work * phi + idle + job.stages[s].optimizer * phi
+
+        if len(set(factors[s].values())) == 1:  # identical peers: the busiest hosts ceil(total/alive)
+            busiest = -(-num_d * job.num_microbatches // len(factors[s]))
+            best = max(best, cost(next(iter(factors[s])), busiest) + job.allreduce_ms(s))
+            continue
+        counts = dict.fromkeys(factors[s], 0)
+        heap = [(cost(d, 1), d) for d in counts]
+        heapq.heapify(heap)
+        top = max(cost(d, 0) for d in counts)
+        for _ in range(num_d * job.num_microbatches):
+            c, d = heapq.heappop(heap)
+            counts[d] += 1
+            top = max(top, c)
+            heapq.heappush(heap, (cost(d, counts[d] + 1), d))
+        best = max(best, top + job.allreduce_ms(s))
     return best

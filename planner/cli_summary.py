@@ -14,7 +14,16 @@ def fmt_gap(gap: float | None) -> str:
         return "-"
     if gap > -_SHOWN:
         return f"{max(gap, 0.0):.3%}"
-    return f"{0.0:.3%} (measured {gap:.3%}: K-iteration replay transient, see docs/planner.md)"
+    return f"{0.0:.3%} (measured {gap:.3%}: below a proven bound, float noise; see docs/planner.md)"
+
+
+def fmt_drift(report: dict[str, Any]) -> str:
+    """How the claimed steady state differs from the K-iteration figure, and how it was found."""
+    period, n = report.get("steady_period", 0), report.get("steady_iterations", 0)
+    if not period:
+        return f"{report['drift']:+.4%} (not settled in {n} iterations: an estimate)"
+    found = f"repeats every {period} iteration(s), found after {n} replayed"
+    return f"{report['drift']:+.4%} ({found})"
 
 
 def fmt_workers(workers: list[list[int]]) -> str:
@@ -76,6 +85,11 @@ def render_summary(fig: dict[str, Any], report: dict[str, Any]) -> str:
         ("bubble ratio", f"{report['bubble_ratio']:.2%}"),
         ("replayed iterations K", report["num_iterations"]),
     ]
+    if "k_iteration_ms" in report:
+        pairs += [
+            (f"iteration time at K={report['num_iterations']} (ms)", report["k_iteration_ms"]),
+            ("steady state vs K figure", fmt_drift(report)),
+        ]
     rows = [
         [s, peak, cap if cap is not None else "unlimited"]
         for s, (peak, cap) in enumerate(

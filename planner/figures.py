@@ -1,10 +1,10 @@
 """Figures of a schedule that `recycle plan` and `recycle validate` share (table and --json).
 
-A gap to a bound is `iteration time / bound - 1`. The iteration time is the simulator's K-iteration
-measurement (planner/simulator/engine.py: last OPT end of iteration K-1 minus that of iteration 0,
-over K-1), so a warm-up transient can put it a hair below a bound that holds for every steady-state
-period (docs/planner.md, "Gaps below zero"). The raw gaps are kept; `*_clamped` are max(0, gap) and
-`measured_below_bound` says whether any raw gap was negative.
+A gap to a bound is `iteration time / bound - 1`. The iteration time is the simulator's steady state
+(planner/simulator/steady.py), which the bounds hold for; a document that still claims a K-iteration
+figure (its `replay_iterations`), or float noise, can put it a hair below (docs/planner.md, "Gaps
+below zero"). The raw gaps are kept; `*_clamped` are max(0, gap) and `measured_below_bound` says
+whether any raw gap was negative.
 """
 
 from __future__ import annotations

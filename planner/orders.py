@@ -2,7 +2,7 @@
 
 An order is a worker's list of (op, micro-batch) for one iteration, ending with ("OPT", None).
 Timing is not the generators' business: `to_schedule` asks the simulator (the referee) to replay
-the orders and stamps its predicted times and iteration time on the document.
+the orders and stamps its predicted times and steady-state iteration time on the document.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ Orders = dict[WorkerId, list[OrderEntry]]
 
 
 def to_schedule(problem: Problem, orders: Orders, strategy: str, num_iterations: int = 4) -> Schedule:
-    """Build the schedule document for `orders` with the simulator's times stamped on it.
+    """Build the schedule document for `orders` with the simulator's times stamped on it: the
+    first iteration's op times and the steady-state iteration time (the limit as K grows; so the
+    document names no `replay_iterations`). `num_iterations`: the K of the replay (at least 4).
 
     Raises ScheduleRuleError when the orders deadlock or break a structural rule.
     """
@@ -26,7 +28,6 @@ def to_schedule(problem: Problem, orders: Orders, strategy: str, num_iterations:
         slow=list(problem.scenario.slow) or None,
         iteration_time_ms=0.0,
         strategy=strategy,
-        replay_iterations=num_iterations,
         workers=[
             WorkerSchedule(
                 worker=w,

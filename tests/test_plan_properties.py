@@ -25,10 +25,9 @@ def test_greedy_plans_are_valid_and_bounded(data: st.DataObject) -> None:
     assert abs(report.iteration_time_ms - result.schedule.iteration_time_ms) <= 1e-6 * max(
         1.0, report.iteration_time_ms
     )
-    # The bounds hold for the steady state; the contract measures over K=4 iterations, whose
-    # transient can put the measured time a hair (~1e-6 relative) below them.
-    assert result.iteration_time_ms >= load_bound(job, scenario) * (1 - 1e-4)
-    assert result.iteration_time_ms >= memory_bound(job, scenario) * (1 - 1e-4)
+    # The bounds hold for the steady state, which is what a plan claims (docs/planner.md section 7).
+    assert result.iteration_time_ms >= load_bound(job, scenario) * (1 - 1e-9)
+    assert result.iteration_time_ms >= memory_bound(job, scenario) * (1 - 1e-9)
     naive = baseline_schedule("naive-reroute", job, scenario)
     try:
         validate(job, scenario, naive)

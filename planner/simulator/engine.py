@@ -1,4 +1,5 @@
-"""Replay of a schedule for K iterations (CONTRACT.md section 4): the referee's clock.
+"""Replay of a schedule for K iterations (CONTRACT.md section 4): the referee's clock, and its
+steady state (planner/simulator/steady.py: replayed on until the OPT ends repeat).
 
 Dependencies inside one iteration never point to another iteration; the only link between
 iterations is a worker's own order (its first op of iteration k+1 follows its OPT of iteration k).
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from planner.contract import FailureScenario, JobSpec, Schedule
 from planner.errors import InvalidInputError, ScheduleRuleError
 from planner.simulator.memory import memory_deltas, peak_memory
+from planner.simulator.steady import SteadyState, settle
 from planner.simulator.structure import OP_B, OP_BW, OP_F, OP_W, Layout, check_orders, check_structure
 
 log = logging.getLogger(__name__)
@@ -29,12 +31,14 @@ WorkerKey = tuple[int, int]
 class Replay:
     """What the replay measured. Worker keys are (d, s)."""
 
-    iteration_time_ms: float  # (end of last OPT of iter K - end of last OPT of iter 1) / (K - 1)
+    iteration_time_ms: float  # steady state: the limit of k_iteration_ms as K grows (steady.py)
     first_iteration_times: dict[WorkerKey, list[tuple[float, float]]]  # aligned with the actions
     peak_memory_mib: dict[WorkerKey, float]  # max over the K iterations
     busy_ms: dict[WorkerKey, float]  # op time per iteration
     num_iterations: int
-    last_opt_end_ms: list[float] = field(default_factory=list)  # per iteration, end of its last OPT
+    k_iteration_ms: float  # (end of last OPT of iter K - end of last OPT of iter 1) / (K - 1)
+    steady: SteadyState  # how the steady state was found
+    last_opt_end_ms: list[float] = field(default_factory=list)  # per iteration K, end of its last OPT
 
 
 @dataclass
@@ -174,6 +178,10 @@ def replay(job: JobSpec, scenario: FailureScenario, schedule: Schedule, num_iter
     naming the stuck workers and what each waits on), InvalidInputError when num_iterations < 4.
     """
     _check_iterations(num_iterations)
+    if schedule.partition_ranges() is not None:  # re-partitioned (issue 12): its stage-level job
+        from planner.partition import job_for_schedule
+
+        job = job_for_schedule(job, schedule)
     return _replay_layout(job, check_structure(job, scenario, schedule), num_iterations, with_memory=True)
 
 
@@ -186,11 +194,16 @@ def _check_iterations(num_iterations: int) -> None:
 
 def _replay_layout(job: JobSpec, lay: Layout, num_iterations: int, with_memory: bool) -> Replay:
     graph = build_graph(job, lay)
-    order = topological_order(lay, graph)
-    starts, ends = _run(lay, graph, order, num_iterations)
-    opt_nodes = [lay.first[i + 1] - 1 for i in range(len(lay.workers))]
-    last_opt = [max(end[j] for j in opt_nodes) for end in ends]
-    iteration_time = (last_opt[-1] - last_opt[0]) / (num_iterations - 1)
+    clock = _Clock(lay, graph, topological_order(lay, graph))
+    starts, ends, opt_ends = [], [], []
+    for _ in range(num_iterations):
+        start, end = clock.iteration()
+        starts.append(start)
+        ends.append(end)
+        opt_ends.append(list(clock.free))  # every worker's last op is its OPT
+    last_opt = [max(x) for x in opt_ends]
+    k_time = (last_opt[-1] - last_opt[0]) / (num_iterations - 1)
+    steady = settle(opt_ends, clock.opt_ends)
     if with_memory:
         at_start, at_end = memory_deltas(job, lay)
         peaks = dict(
@@ -205,14 +218,23 @@ def _replay_layout(job: JobSpec, lay: Layout, num_iterations: int, with_memory: 
         a, b = lay.first[i], lay.first[i + 1]
         first_times[w] = list(zip(start1[a:b], end1[a:b], strict=True))
         busy[w] = sum(graph.duration[a:b])
-    log.debug("replayed %d nodes x %d iterations: %.6f ms", lay.num_nodes, num_iterations, iteration_time)
+    log.debug(
+        "replayed %d nodes x %d iterations: %.6f ms (K=%d: %.6f ms)",
+        lay.num_nodes,
+        steady.iterations,
+        steady.iteration_time_ms,
+        num_iterations,
+        k_time,
+    )
     return Replay(
-        iteration_time_ms=iteration_time,
+        iteration_time_ms=steady.iteration_time_ms,
         first_iteration_times=first_times,
         peak_memory_mib=peaks,
         busy_ms=busy,
         num_iterations=num_iterations,
         last_opt_end_ms=last_opt,
+        k_iteration_ms=k_time,
+        steady=steady,
     )
 
 
@@ -233,22 +255,30 @@ def replay_orders(
     return _replay_layout(job, lay, num_iterations, with_memory=False)
 
 
-def _run(
-    lay: Layout, graph: Graph, order: list[int], num_iterations: int
-) -> tuple[list[list[float]], list[list[float]]]:
-    """Start and end of every node in every iteration: each op starts when its worker is free and
-    its dependencies (plus delay) have ended."""
-    n = lay.num_nodes
-    wk, dur, dep, delay, opt_deps = lay.node_worker, graph.duration, graph.dep, graph.delay, graph.opt_deps
-    # Each node's fields in evaluation order, read once rather than once per iteration.
-    steps = [(j, wk[j], dep[j], delay[j], dur[j], opt_deps.get(j)) for j in order]
-    free = [0.0] * len(lay.workers)  # when each worker's previous op ended
-    starts: list[list[float]] = []
-    ends: list[list[float]] = []
-    for _ in range(num_iterations):
-        start = [0.0] * n
-        end = [0.0] * n
-        for j, w, p, lag, length, peers in steps:
+class _Clock:
+    """Replays iterations one after another: each op starts when its worker is free and its
+    dependencies (plus delay) have ended. `free` is each worker's last end (its OPT's, between
+    iterations)."""
+
+    def __init__(self, lay: Layout, graph: Graph, order: list[int]) -> None:
+        wk, dur, dep, delay, opt_deps = (
+            lay.node_worker,
+            graph.duration,
+            graph.dep,
+            graph.delay,
+            graph.opt_deps,
+        )
+        # Each node's fields in evaluation order, read once rather than once per iteration.
+        self.steps = [(j, wk[j], dep[j], delay[j], dur[j], opt_deps.get(j)) for j in order]
+        self.free = [0.0] * len(lay.workers)
+        self.num_nodes = lay.num_nodes
+
+    def iteration(self) -> tuple[list[float], list[float]]:
+        """Start and end of every node in the next iteration."""
+        free = self.free
+        start = [0.0] * self.num_nodes
+        end = [0.0] * self.num_nodes
+        for j, w, p, lag, length, peers in self.steps:
             t = free[w]
             if p >= 0:
                 x = end[p] + lag
@@ -263,6 +293,9 @@ def _run(
             t += length
             end[j] = t
             free[w] = t
-        starts.append(start)
-        ends.append(end)
-    return starts, ends
+        return start, end
+
+    def opt_ends(self) -> list[float]:
+        """Replay the next iteration; every worker's OPT end in it."""
+        self.iteration()
+        return list(self.free)
