@@ -32,15 +32,22 @@ def job_fingerprint(job: JobSpec) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _signature(scenario: FailureScenario, d: int) -> Signature:
-    failed = tuple(sorted(s for dd, s in scenario.failed if dd == d))
-    slow = tuple(sorted((sw.worker[1], float(sw.factor)) for sw in scenario.slow if sw.worker[0] == d))
-    return failed, slow
+def _signatures(scenario: FailureScenario, num_pipelines: int) -> dict[int, Signature]:
+    """Every pipeline's signature (one pass over the scenario: simulate normalizes thousands)."""
+    failed: dict[int, list[int]] = {}
+    slow: dict[int, list[tuple[int, float]]] = {}
+    for d, s in scenario.failed:
+        failed.setdefault(d, []).append(s)
+    for sw in scenario.slow:
+        slow.setdefault(sw.worker[0], []).append((sw.worker[1], float(sw.factor)))
+    return {
+        d: (tuple(sorted(failed.get(d, ()))), tuple(sorted(slow.get(d, ())))) for d in range(num_pipelines)
+    }
 
 
 def normalize(job: JobSpec, scenario: FailureScenario) -> Normalized:
     """Canonical form of `scenario`: pipelines with failures first (most failures first), then slow."""
-    sigs = {d: _signature(scenario, d) for d in range(job.num_pipelines)}
+    sigs = _signatures(scenario, job.num_pipelines)
     # Sort key puts touched pipelines first; ties keep physical order, which is irrelevant to the key.
     order = sorted(range(job.num_pipelines), key=lambda d: (not sigs[d][0], not sigs[d][1], sigs[d], d))
     failed = sorted((c, s) for c, d in enumerate(order) for s in sigs[d][0])

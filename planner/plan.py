@@ -22,6 +22,8 @@ from planner.contract import FailureScenario, JobSpec, Schedule
 from planner.normalize import Normalized, job_fingerprint, normalize, to_physical
 from planner.orders import Orders, to_schedule
 from planner.problem import Problem
+from planner.reduced import expand, reduce_job, stand_in_own
+from planner.reduced import host_variants as reduced_host_variants
 from planner.settings import planner_settings
 from planner.simulator import ValidationReport, validate
 
@@ -104,7 +106,9 @@ class PlanResult:
 def _baseline_1f1b_cached(fingerprint: str, job_json: str) -> float:
     from planner.baselines import baseline_schedule
 
-    job = JobSpec.model_validate_json(job_json)
+    # Failure-free 1F1B pipelines are identical and meet only at the OPT all-reduce, whose condition
+    # they reach at the same instant: one pipeline has the same times (planner/reduced.py's argument).
+    job = JobSpec.model_validate_json(job_json).model_copy(update={"num_pipelines": 1})
     return baseline_schedule("1f1b", job, FailureScenario()).iteration_time_ms
 
 
@@ -146,7 +150,8 @@ def _fits_memory(problem: Problem, orders: Orders) -> bool:
 
 def baseline_candidates(job: JobSpec, scenario: FailureScenario, problem: Problem) -> list[Candidate]:
     """Memory-feasible baseline orders (ZB-H1 and 1F1B on the balanced hosts, naive re-route on its
-    own): the planner never returns anything slower than what they give."""
+    own, ZB-H1 with longer W delays: planner/adaptive/zb_delays.py): the planner never returns
+    anything slower than what they give."""
     from planner.baselines import BASELINES
 
     out = []
@@ -158,6 +163,12 @@ def baseline_candidates(job: JobSpec, scenario: FailureScenario, problem: Proble
         orders = BASELINES[name].build_orders(prob)
         if _fits_memory(prob, orders):
             out.append(Candidate(prob, orders, to_schedule(prob, orders, strategy=name), name))
+    from planner.adaptive.zb_delays import DELAYS, zb_delay_orders
+
+    for name, delay in DELAYS.items():
+        orders = zb_delay_orders(problem, delay)
+        if _fits_memory(problem, orders):
+            out.append(Candidate(problem, orders, to_schedule(problem, orders, strategy=name), name))
     return out
 
 
@@ -186,16 +197,17 @@ def plan_greedy(
     target_ms: float,
     budget_s: float,
     progress: Progress | None = None,
+    problems: list[Problem] | None = None,
 ) -> Candidate:
     """Best greedy schedule over the portfolio (host maps x policies), replayed by the simulator.
 
     Each greedy run simulates several iterations; the order of every simulated iteration is a
     candidate (they differ: the greedy is not periodic, the replay of a fixed order is). Stops once
     a candidate is within GOOD_ENOUGH of `target_ms`, or once `budget_s` seconds are spent (the
-    default policy always runs on every host map).
+    default policy always runs on every host map). `problems`: the host maps (default host_variants).
     """
     t0 = time.perf_counter()
-    problems = host_variants(job, scenario)
+    problems = problems or host_variants(job, scenario)
     num_ops = 3 * job.num_pipelines * job.num_microbatches * job.num_stages
     iterations = 6 if num_ops <= SMALL_OPS else 4
     trials = [
@@ -254,17 +266,25 @@ def plan(
     lb = load_bound(job, norm.scenario)
     mb = memory_bound(job, norm.scenario)
     t0 = time.perf_counter()
+    red = reduce_job(job, norm.scenario)  # plan on a reduced grid where the structure allows
+    small = job if red is None else red.job
+    variants = None if red is None else reduced_host_variants(red, norm.scenario)
     best = plan_greedy(
-        job,
+        small,
         norm.scenario,
         target_ms=mb,
         budget_s=min(settings.greedy_budget, time_limit).total_seconds(),
         progress=progress,
+        problems=variants,
     )
     if best.schedule.iteration_time_ms > mb * (1 + 1e-9):
-        for cand in baseline_candidates(job, norm.scenario, best.problem):
-            if cand.schedule.iteration_time_ms < best.schedule.iteration_time_ms - 1e-9:
-                best = cand
+        # A reduced grid has two host maps and cheap replays: the baselines run on each.
+        for prob in variants or [best.problem]:
+            for cand in baseline_candidates(small, norm.scenario, prob):
+                if red is not None and not stand_in_own(red, cand.problem):
+                    continue
+                if cand.schedule.iteration_time_ms < best.schedule.iteration_time_ms - 1e-9:
+                    best = cand
     greedy_s = time.perf_counter() - t0
     greedy_ms = best.schedule.iteration_time_ms
     source = best.label
@@ -282,7 +302,7 @@ def plan(
                 "status": "SKIPPED",
                 "reason": f"{num_ops} ops > RECYCLE_CPSAT_MAX_OPS={settings.cpsat_max_ops}",
             }
-    physical = to_physical(best.schedule, norm, scenario)
+    physical = to_physical(best.schedule if red is None else expand(red, best.schedule), norm, scenario)
     physical.strategy = "recycle-" + source
     report = validate(job, scenario, physical)
     return PlanResult(

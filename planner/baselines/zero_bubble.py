@@ -16,6 +16,7 @@ Under failures the hosts are the naive re-route ones and the skeleton is the ind
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from planner.baselines.one_f_one_b import (
@@ -29,18 +30,27 @@ from planner.problem import Problem
 if TYPE_CHECKING:
     from planner.orders import Orders
 
-__all__ = ["build_orders", "build_problem"]
+__all__ = ["Delay", "build_orders", "build_problem"]
+
+Delay = Callable[[int, int, int, int], int]  # (stage, stages, hosted, micro-batches) -> W delay
 
 
-def build_orders(problem: Problem) -> Orders:
-    """ZB-H1 orders (F, B, W, OPT) for every alive worker of `problem`."""
+def zb_h1_delay(stage: int, stages: int, hosted: int, microbatches: int) -> int:
+    """ZB-H1's: stage s defers its W by s backward steps."""
+    return stage
+
+
+def build_orders(problem: Problem, delay: Delay = zb_h1_delay) -> Orders:
+    """ZB-H1 orders (F, B, W, OPT) for every alive worker of `problem`; `delay(s, P, hosted, M)`
+    backward steps by which stage s defers its W (default ZB-H1's s; planner/adaptive/zb_delays.py
+    tries longer ones)."""
     orders: Orders = {}
     for (d, s), mbs in hosted_microbatches(problem).items():
         skeleton = interleaved_order(problem.num_stages, s, mbs, backward="B")
         prof = problem.job.stages[s]
         order = defer_weight_grads(
             skeleton,
-            delay=s,
+            delay=max(0, delay(s, problem.num_stages, len(mbs), problem.num_microbatches)),
             activation_mib=prof.activation_mib,
             weight_grad_mib=prof.weight_grad_mib,
             capacity_mib=problem.job.capacity_mib(s),
