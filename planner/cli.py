@@ -71,20 +71,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.time_limit <= 0:
         raise InvalidInputError("--time-limit must be positive (seconds)")
     limit, use_cpsat = timedelta(seconds=args.time_limit), not args.no_cpsat
-    result = plan(job, scenario, time_limit=limit, use_cpsat=use_cpsat, progress=_progress_printer())
+    plan_job, repart = job, None
+    if args.repartition:  # issue 12: choose the layer split too (planner/partition)
+        from planner.partition.cli import plan_with_repartition
+
+        result, plan_job, repart = plan_with_repartition(job, scenario, limit, use_cpsat, _progress_printer())
+    else:
+        result = plan(job, scenario, time_limit=limit, use_cpsat=use_cpsat, progress=_progress_printer())
     if scenario.failed or scenario.slow:
         reference = _progress_printer("planning the failure-free reference")
         own = own_failure_free_ms(job, limit, use_cpsat, progress=reference)
     else:
         own = result.iteration_time_ms
     fig = result.figures(own_failure_free_ms=own)
+    if repart is not None:
+        fig["repartition"] = repart
     try:
         if args.json:
             print(json.dumps(fig, indent=1), flush=True)
         else:
             print(render_summary(fig, fig["validation"]), flush=True)  # type: ignore[arg-type]
+            if repart is not None:
+                from planner.partition.cli import render_repartition
+
+                print(render_repartition(repart), flush=True)
     finally:  # even when stdout is a closed pipe, the files are written
-        _write_outputs(args, result.schedule, job)
+        _write_outputs(args, result.schedule, plan_job)
     return 0
 
 
@@ -148,6 +160,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "or RECYCLE_GREEDY_BUDGET_S if smaller",
     )
     p.add_argument("--no-cpsat", action="store_true", help="greedy only, no CP-SAT refinement")
+    p.add_argument(
+        "--repartition",
+        action="store_true",
+        help="also choose which layers each stage holds (needs `layers` or `model.layers` in the job "
+        "spec); prints the partition, its load bound, the best over all partitions and the migration",
+    )
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
     p.set_defaults(func=cmd_plan)
 

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    ValidationError,
+    model_validator,
+)
 
 from planner.errors import InvalidInputError, UnrecoverableScenarioError
 
@@ -50,8 +58,67 @@ class StageProfile(_Doc):
     )
 
 
+class LayerProfile(_Doc):
+    """Profile of one model layer (optional job-spec field `layers`, issue 12): op durations (ms),
+    memory per micro-batch (MiB) and the resident memory of its parameters and optimizer state."""
+
+    forward: NonNegativeFloat = Field(description="This layer's share of a micro-batch's F, ms.")
+    backward_input: NonNegativeFloat = Field(description="Its share of B, ms.")
+    backward_weight: NonNegativeFloat = Field(description="Its share of W, ms.")
+    activation_mib: NonNegativeFloat = Field(description="Its share of a micro-batch's activations.")
+    weight_grad_mib: NonNegativeFloat = Field(description="Its share of a deferred weight gradient.")
+    param_mib: NonNegativeFloat = Field(default=0.0, description="Parameters + their gradient buffer.")
+    optimizer_state_mib: NonNegativeFloat = Field(default=0.0, description="e.g. Adam's moments.")
+
+
+def _extra_error(field: str, exc: ValidationError) -> ValueError:
+    err = exc.errors()[0]
+    where = ".".join(str(x) for x in err["loc"])
+    return ValueError(f"{field}{'.' + where if where else ''}: {err['msg']}")
+
+
+def check_partition(
+    value: object, num_layers: int, num_stages: int, field: str = "partition"
+) -> list[list[int]]:
+    """Validate a layer-to-stage map: P half-open ranges covering 0..num_layers-1 contiguously, each
+    stage holding >= 1 layer. Raises InvalidInputError naming the layer or stage."""
+    if not isinstance(value, list) or len(value) != num_stages:
+        got = len(value) if isinstance(value, list) else type(value).__name__
+        raise InvalidInputError(f"{field}: needs {num_stages} ranges (one per stage), got {got}")
+    ranges: list[list[int]] = []
+    for s, r in enumerate(value):
+        ok = isinstance(r, list | tuple) and len(r) == 2
+        if not ok or not all(isinstance(x, int) and not isinstance(x, bool) for x in r):
+            raise InvalidInputError(f"{field}: stage {s}: needs a range [first, end), got {r!r}")
+        a, b = int(r[0]), int(r[1])
+        if b <= a:
+            raise InvalidInputError(f"{field}: stage {s} holds no layer ([{a}, {b}))")
+        if a < 0 or b > num_layers:
+            bad = a if a < 0 else b - 1
+            raise InvalidInputError(f"{field}: layer {bad} of stage {s} is outside 0..{num_layers - 1}")
+        ranges.append([a, b])
+    holder: dict[int, int] = {}
+    for s, (a, b) in enumerate(ranges):
+        for layer in range(a, b):
+            if layer in holder:
+                raise InvalidInputError(f"{field}: layer {layer} is held by stages {holder[layer]} and {s}")
+            holder[layer] = s
+    for layer in range(num_layers):
+        if layer not in holder:
+            raise InvalidInputError(f"{field}: layer {layer} is held by no stage")
+    for s in range(1, num_stages):
+        if ranges[s][0] != ranges[s - 1][1]:
+            raise InvalidInputError(
+                f"{field}: stage {s} does not start where stage {s - 1} ends (not contiguous)"
+            )
+    return ranges
+
+
 class Comm(_Doc):
     """Communication costs (ms)."""
+
+    # Optional extra `migration_mib_per_ms` (issue 12; absent: derived, planner/partition/layers.py):
+    # link bandwidth for moving a layer's parameters and optimizer state between workers.
 
     activation_ms: NonNegativeFloat = Field(
         description="Moving an activation or gradient between consecutive stages in the same pipeline."
@@ -62,6 +129,22 @@ class Comm(_Doc):
     allreduce_ms: NonNegativeFloat | list[NonNegativeFloat] = Field(
         description="A stage's gradient all-reduce among its alive peers: one number or one per stage."
     )
+
+    @model_validator(mode="after")
+    def _check_migration(self) -> Comm:
+        extra = self.__pydantic_extra__ or {}
+        bw = extra.get("migration_mib_per_ms")
+        if bw is not None:
+            if (
+                isinstance(bw, bool)
+                or not isinstance(bw, int | float)
+                or not bw > 0
+                or bw != bw
+                or bw == float("inf")
+            ):
+                raise ValueError(f"comm.migration_mib_per_ms: must be a positive finite number, got {bw!r}")
+            extra["migration_mib_per_ms"] = float(bw)
+        return self
 
 
 class JobSpec(_Doc):
@@ -92,7 +175,53 @@ class JobSpec(_Doc):
             raise ValueError(
                 f"memory_capacity_mib: has {len(self.memory_capacity_mib)} entries but num_stages is {p}"
             )
+        self._check_layers()
         return self
+
+    def _check_layers(self) -> None:
+        """Optional issue-12 extras `layers` (per-layer profiles) and `partition` (layer map)."""
+        extra = self.__pydantic_extra__ or {}
+        layers = extra.get("layers")
+        if layers is not None:
+            if not isinstance(layers, list) or not layers:
+                raise ValueError("layers: must be a non-empty list of per-layer profiles")
+            parsed = []
+            for i, x in enumerate(layers):
+                try:
+                    parsed.append(LayerProfile.model_validate(x).model_dump(mode="json"))
+                except ValidationError as exc:
+                    raise _extra_error(f"layers[{i}]", exc) from None
+            extra["layers"] = parsed
+        part = extra.get("partition")
+        if part is not None:
+            n = self.num_layers()
+            if n is None:
+                raise ValueError("partition: needs `layers` or `model.layers` (how many layers there are)")
+            try:
+                extra["partition"] = check_partition(part, n, self.num_stages)
+            except InvalidInputError as exc:
+                raise ValueError(str(exc)) from None
+        elif layers is not None and len(layers) < self.num_stages:
+            raise ValueError(f"layers: {len(layers)} layers cannot fill {self.num_stages} stages")
+
+    def num_layers(self) -> int | None:
+        """How many layers the model has: len(layers), else model.layers, else None."""
+        extra = self.__pydantic_extra__ or {}
+        if extra.get("layers"):
+            return len(extra["layers"])
+        model = extra.get("model")
+        n = model.get("layers") if isinstance(model, dict) else None
+        return n if isinstance(n, int) and not isinstance(n, bool) and n >= self.num_stages else None
+
+    def layer_profiles(self) -> list[LayerProfile] | None:
+        """The given per-layer profiles (None when absent; planner.partition derives them)."""
+        layers = (self.__pydantic_extra__ or {}).get("layers")
+        return None if layers is None else [LayerProfile.model_validate(x) for x in layers]
+
+    def partition_ranges(self) -> list[list[int]] | None:
+        """The given layer-to-stage map (None when absent)."""
+        part = (self.__pydantic_extra__ or {}).get("partition")
+        return None if part is None else [list(r) for r in part]
 
     def allreduce_ms(self, stage: int) -> float:
         """All-reduce time of `stage`."""
@@ -186,6 +315,22 @@ class WorkerSchedule(_Doc):
     actions: list[Action] = Field(description="The order, executed front to back, ending with one OPT.")
 
 
+class LayerMove(_Doc):
+    """Layers [a, b) move from `from_stage` to `to_stage` in every pipeline."""
+
+    layers: tuple[NonNegativeInt, NonNegativeInt] = Field(description="Half-open layer range [a, b).")
+    from_stage: NonNegativeInt = Field(description="The stage that holds them in the job's partition.")
+    to_stage: NonNegativeInt = Field(description="The stage that holds them in this schedule's.")
+
+
+class Migration(_Doc):
+    """What a schedule's partition moves relative to the job's (per pipeline) and how long it takes."""
+
+    moves: list[LayerMove] = Field(default_factory=list, description="Moved layer ranges.")
+    mib: NonNegativeFloat = Field(description="Parameters + optimizer state moved per pipeline, MiB.")
+    estimated_ms: NonNegativeFloat = Field(description="mib over comm.migration_mib_per_ms, ms.")
+
+
 class Schedule(_Doc):
     """A per-worker order for one iteration, repeated every iteration (CONTRACT.md section 3)."""
 
@@ -205,6 +350,29 @@ class Schedule(_Doc):
         ge=4,
         description="Optional: the K of CONTRACT.md section 4 that iteration_time_ms was replayed with.",
     )
+
+    @model_validator(mode="after")
+    def _check_partition(self) -> Schedule:
+        """Optional issue-12 extras: `partition` (checked against the job by planner.partition) and
+        `migration` ({"moves": [...], "mib", "estimated_ms"})."""
+        extra = self.__pydantic_extra__ or {}
+        part = extra.get("partition")
+        if part is not None:
+            ends = [r[1] for r in part if isinstance(r, list | tuple) and len(r) == 2]
+            n = max((e for e in ends if isinstance(e, int)), default=0)
+            extra["partition"] = check_partition(part, n, len(part) if isinstance(part, list) else 0)
+        mig = extra.get("migration")
+        if mig is not None:
+            try:
+                extra["migration"] = Migration.model_validate(mig).model_dump(mode="json")
+            except ValidationError as exc:
+                raise _extra_error("migration", exc) from None
+        return self
+
+    def partition_ranges(self) -> list[list[int]] | None:
+        """The layer map this schedule runs with (None: the job's own)."""
+        part = (self.__pydantic_extra__ or {}).get("partition")
+        return None if part is None else [list(r) for r in part]
 
     def scenario(self) -> FailureScenario:
         """The failure scenario this schedule states it was planned for."""

@@ -23,11 +23,15 @@ from whatif.strategies.recycle import (
     RerouteOnly,
     plan_record,
 )
+from whatif.strategies.repartition import RecycleRepartition
 from whatif.strategies.shrink import Shrink
 
 ABLATIONS = ("reroute-only", "reroute+decoupled", "reroute+decoupled+staggered", "recycle+barrier")
 ALTERNATIVES = ("checkpoint-restart", "shrink", "oobleck", "bamboo")
-ALL_STRATEGIES = ("recycle", *ABLATIONS, *ALTERNATIVES)
+ALL_STRATEGIES = ("recycle", *ABLATIONS, *ALTERNATIVES)  # the default line-up
+# Opt-in (--strategies): it needs the job's layer count, and plans several splits per failure set.
+EXTRA_STRATEGIES = ("recycle+repartition",)
+KNOWN_STRATEGIES = (*ALL_STRATEGIES, *EXTRA_STRATEGIES)
 
 
 def make_strategies(
@@ -40,9 +44,9 @@ def make_strategies(
 ) -> dict[str, Strategy]:
     """The named strategy models for `job`, in the order given (ValueError for an unknown name).
     `exact` False: recycle and recycle+barrier estimate the failure sets the cache misses."""
-    unknown = [n for n in names if n not in ALL_STRATEGIES]
+    unknown = [n for n in names if n not in KNOWN_STRATEGIES]
     if unknown:
-        raise ValueError(f"unknown strategy {unknown}; known: {', '.join(ALL_STRATEGIES)}")
+        raise ValueError(f"unknown strategy {unknown}; known: {', '.join(KNOWN_STRATEGIES)}")
     cache = cache or PlanCache(None)
     shrink = Shrink(job, costs, cache)
     builders = {
@@ -55,6 +59,7 @@ def make_strategies(
         "shrink": lambda: shrink,
         "oobleck": lambda: Oobleck(job, costs),
         "bamboo": lambda: Bamboo(job, costs),
+        "recycle+repartition": lambda: RecycleRepartition(job, costs, cache, plan_time_limit, exact),
     }
     return {n: builders[n]() for n in names}  # type: ignore[no-untyped-call]
 
@@ -63,6 +68,8 @@ __all__ = [
     "ABLATIONS",
     "ALL_STRATEGIES",
     "ALTERNATIVES",
+    "EXTRA_STRATEGIES",
+    "KNOWN_STRATEGIES",
     "Bamboo",
     "CheckpointRestart",
     "Costs",
@@ -70,6 +77,7 @@ __all__ = [
     "Outcome",
     "Recycle",
     "RecycleBarrier",
+    "RecycleRepartition",
     "RerouteDecoupled",
     "RerouteDecoupledStaggered",
     "RerouteOnly",

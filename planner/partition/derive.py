@@ -1,0 +1,92 @@
+"""A job re-partitioned: the stage-level job spec the planner and simulator take unchanged, and the
+migration from the job's own partition (CONTRACT extension of issue 12, docs/contract.md).
+
+Stage s of the derived job holds layers [a, b): its op durations and per-micro-batch memory are its
+extras (what the job's stage s has beyond its own layers) plus the sum of the held layers'; its
+optimizer time and all-reduce scale with the parameters it holds (their param_mib; the layer count
+when no layer has any); its memory capacity for activations is the job's, minus the parameters and
+optimizer state of layers it gained, plus those of layers it gave away.
+"""
+
+from __future__ import annotations
+
+from planner.contract import JobSpec, LayerMove, Migration, StageProfile, check_partition
+from planner.errors import InvalidInputError
+from planner.partition.layers import LAYER_FIELDS, LayerModel, layer_model
+
+
+def _ratio(model: LayerModel, s: int, a: int, b: int) -> float:
+    a0, b0 = model.partition[s]
+    old = sum(x.param_mib for x in model.layers[a0:b0])
+    if old > 0:
+        return sum(x.param_mib for x in model.layers[a:b]) / old
+    return (b - a) / (b0 - a0)
+
+
+def stage_profile(job: JobSpec, model: LayerModel, s: int, a: int, b: int) -> StageProfile:
+    """Stage s's profile when it holds layers [a, b)."""
+    fig = {
+        f: max(0.0, model.extras[s][f] + sum(getattr(x, f) for x in model.layers[a:b])) for f in LAYER_FIELDS
+    }
+    return StageProfile(**fig, optimizer=job.stages[s].optimizer * _ratio(model, s, a, b))
+
+
+def stage_capacity(job: JobSpec, model: LayerModel, s: int, a: int, b: int) -> float | None:
+    """Stage s's capacity for activations when it holds layers [a, b) (None: unlimited)."""
+    cap = job.capacity_mib(s)
+    if cap is None:
+        return None
+    a0, b0 = model.partition[s]
+    return cap + model.resident_mib(a0, b0) - model.resident_mib(a, b)
+
+
+def derive_job(job: JobSpec, partition: list[list[int]], model: LayerModel | None = None) -> JobSpec:
+    """The stage-level job spec of `job` running with `partition` (the job itself when `partition`
+    is its own). InvalidInputError for a bad map, or a stage whose layers' parameters and optimizer
+    state leave it no memory for activations."""
+    model = model or layer_model(job)
+    partition = check_partition(partition, model.num_layers, job.num_stages)
+    if partition == model.partition:
+        return job
+    stages, caps, allreduce = [], [], []
+    for s, (a, b) in enumerate(partition):
+        stages.append(stage_profile(job, model, s, a, b))
+        allreduce.append(job.allreduce_ms(s) * _ratio(model, s, a, b))
+        cap = stage_capacity(job, model, s, a, b)
+        if cap is not None and cap < 0:
+            raise InvalidInputError(
+                f"memory_capacity_mib: stage {s} cannot hold layers [{a}, {b}): their parameters and "
+                f"optimizer state exceed its capacity by {-cap:.1f} MiB"
+            )
+        caps.append(cap)
+    data = job.model_dump(mode="json")
+    data["stages"] = [p.model_dump(mode="json") for p in stages]
+    data["comm"]["allreduce_ms"] = allreduce
+    data["memory_capacity_mib"] = None if job.memory_capacity_mib is None else caps
+    data["partition"] = partition
+    return JobSpec.model_validate(data)
+
+
+def migration(
+    job: JobSpec,
+    partition: list[list[int]],
+    model: LayerModel | None = None,
+    source: list[list[int]] | None = None,
+) -> Migration:
+    """The layer moves from `source` (default: the job's partition) to `partition` (per pipeline,
+    the same in every pipeline), the MiB of parameters + optimizer state moved, and the time at the
+    link bandwidth (moves run one after the other: an upper estimate)."""
+    model = model or layer_model(job)
+    old = [s for s, (a, b) in enumerate(source or model.partition) for _ in range(a, b)]
+    new = [s for s, (a, b) in enumerate(partition) for _ in range(a, b)]
+    moves: list[LayerMove] = []
+    for layer, (f, t) in enumerate(zip(old, new, strict=True)):
+        if f == t:
+            continue
+        last = moves[-1] if moves else None
+        if last and last.layers[1] == layer and (last.from_stage, last.to_stage) == (f, t):
+            last.layers = (last.layers[0], layer + 1)
+        else:
+            moves.append(LayerMove(layers=(layer, layer + 1), from_stage=f, to_stage=t))
+    mib = sum(model.resident_mib(m.layers[0], m.layers[1]) for m in moves)
+    return Migration(moves=moves, mib=mib, estimated_ms=mib / model.migration_mib_per_ms)
