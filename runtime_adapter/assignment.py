@@ -67,6 +67,8 @@ class Assignment:
     restore: RestorePoint | None = None  # the latest restore (None: none yet)
     restore_policy: str = "manual"  # "auto": a needs_restore version is followed by a restore version
     joined_at: int | None = None  # the version since which this worker is continuously alive (fencing)
+    partition: tuple[range, ...] | None = None  # the layers each stage holds (None: the job's own)
+    migration_ms: float | None = None  # the schedule's `migration.estimated_ms` (the plan's estimate)
 
     @property
     def alive(self) -> bool:
@@ -89,6 +91,18 @@ class Assignment:
 
 def _w(x: Any) -> Worker:
     return (int(x[0]), int(x[1]))
+
+
+def layer_fields(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """The optional issue-12 fields of a schedule (or a worker view): `partition` (P half-open layer
+    ranges) and `migration.estimated_ms`, as Assignment keyword arguments."""
+    part = doc.get("partition")
+    mig = doc.get("migration")
+    est = mig.get("estimated_ms") if isinstance(mig, Mapping) else getattr(mig, "estimated_ms", None)
+    return {
+        "partition": None if part is None else tuple(range(int(a), int(b)) for a, b in part),
+        "migration_ms": None if est is None else float(est),
+    }
 
 
 def assignment_from_schedule(
@@ -120,6 +134,7 @@ def assignment_from_schedule(
         prev_host=prev,
         next_host=nxt,
         stage_alive=tuple(sorted(w for w in orders if w[1] == s)),
+        **layer_fields({k: getattr(schedule, k, None) for k in ("partition", "migration")}),
     )
 
 
@@ -147,6 +162,7 @@ def assignment_from_view(
         stage_alive=tuple(sorted(_w(w) for w in view["stage_alive"])),
         state=str(view.get("state", "running")),
         **envelope_fields(view, _w(view["worker"])),
+        **layer_fields(view),
     )
 
 

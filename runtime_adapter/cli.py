@@ -8,6 +8,7 @@ Also runnable alone: `python -m runtime_adapter.cli worker ...` (what the launch
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -72,8 +73,8 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--standby-key", help="warm standby: join once the launcher sets this store key")
     p.add_argument(
         "--fail-at",
-        help="fault injection: ITERATION:PHASE (F, B, W, BW, OPT, or REDUCED: right after the gradient "
-        "all-reduce) -> SIGKILL self",
+        help="fault injection: ITERATION:PHASE (F, B, W, BW, OPT, REDUCED: right after the gradient "
+        "all-reduce, or MIGRATE: a layer migration is planned, no tensor moved yet) -> SIGKILL self",
     )
     add_checkpoint_args(p)
     p.add_argument("--resume", action="store_true", help="start from the newest complete checkpoint")
@@ -227,6 +228,13 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument(
         "--name", help="job name (default: gpt-d<D>p<P>m<M>; with --entry pkg.mod:fn, mod-d<D>...)"
     )
+    p.add_argument(
+        "--layers",
+        action="store_true",
+        help="also measure every layer (one layer per stage) and write the job spec's optional `layers` "
+        "and `partition` (what `recycle plan --repartition` moves; docs/contract.md 1b); needs a Training "
+        "with layer_ranges (the reference GPT has them)",
+    )
     p.set_defaults(func=cmd_profile)
 
 
@@ -246,6 +254,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     check_min("--memory-gib", args.memory_gib, 0, strict=True)
     check_output(args.out, "-o")
     training, device = load_entry(args.entry, parse_kwargs(args.model)), resolve_device(args.device)
+    if args.layers and training.layer_ranges is None:
+        raise InvalidInputError(f"--layers: {args.entry} has no layer_ranges (stages from layer ranges)")
     activate(device)
     shapes = check_training(training, P, D, M)
     if args.memory_gib is not None:
@@ -269,8 +279,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
     name = args.name or f"{model_name}-d{D}p{P}m{M}"
     job = job_spec_from_profile(name, stages, comm, D, M, capacity)
     print(format_table(stages, comm))
+    doc = job.model_dump(mode="json")
+    if args.layers:
+        from runtime_adapter.profile_layers import profile_layers, with_layers
+
+        progress("measuring every layer (one layer per stage)")
+        layers = profile_layers(training, D, M, repeats=args.repeats, threads=args.threads, progress=progress,
+                                device=device)  # fmt: skip
+        doc = with_layers(doc, training, layers)
+        print(f"{len(layers)} layers measured; partition {doc['partition']}")
     if args.out:
-        make_parent(args.out, "-o").write_text(job.model_dump_json(indent=2) + "\n")
+        make_parent(args.out, "-o").write_text(json.dumps(doc, indent=2) + "\n")
         print(f"job spec written to {args.out}")
     return 0
 

@@ -15,7 +15,8 @@ from planner.errors import InvalidInputError
 from runtime_adapter.assignment import Worker
 from runtime_adapter.settings import runtime_settings
 
-PHASES = ("F", "B", "W", "BW", "OPT", "REDUCED")  # REDUCED: right after the gradient all-reduce
+PHASES = ("F", "B", "W", "BW", "OPT", "REDUCED", "MIGRATE")  # REDUCED: right after the gradient all-reduce;
+# MIGRATE: a layer migration is planned, no tensor has moved yet
 DEFAULT_ENTRY = "runtime_adapter.model:training"  # the reference GPT (keyword arguments: GPTConfig fields)
 
 

@@ -170,9 +170,30 @@ class Executor:
         """Start over: parameters `model` (a freshly built stage's: the initial ones), a fresh optimizer
         of the Training, nothing stepped (a restore without a complete checkpoint)."""
         self.module.load_state_dict(model)
+        self.adopt(self.module, {})
+        self.stepped = 0
+
+    def optimizer_state(self) -> dict[int, Any]:
+        """The optimizer's per-parameter state keyed by the parameter's position in `params` (module
+        order), whatever order the Training's optimizer put its parameter groups in."""
+        state = self.optimizer.state_dict()["state"]
+        return {_position(self.params, self.optimizer)[j]: v for j, v in state.items()}
+
+    def adopt(self, module: torch.nn.Module, optim_state: dict[int, Any]) -> None:
+        """Run `module` from now on (migration.py: rebuilt for another layer range) with a fresh
+        optimizer of the Training holding `optim_state` ({position in the module's trainable
+        parameters: state}, as `optimizer_state` gives it); no rollback."""
+        self.module = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
         self.optimizer = self.runner.training.optimizer(self.params)
         self.base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
-        self.stepped, self._snapshot = 0, None
+        if optim_state:
+            position = _position(self.params, self.optimizer)
+            state = {j: optim_state[i] for j, i in enumerate(position) if i in optim_state}
+            groups = self.optimizer.state_dict()["param_groups"]
+            self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        self.grad_sum = GradSum(self.params, self.runner.training.exact_sums)
+        self._snapshot = None
 
     # -- OPT ------------------------------------------------------------------------------------------
 
@@ -336,3 +357,10 @@ class _IterationRun:
         """Micro-batch `mb`'s backward is complete: move its gradients into the float64 sums."""
         self.ex.grad_sum.add()
         self.counts[mb[0] * self.ex.num_microbatches + mb[1]] += 1
+
+
+def _position(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> list[int]:
+    """For each index of the optimizer's state dict (its groups' parameters in order), the position
+    of that parameter in `params`."""
+    where = {id(p): i for i, p in enumerate(params)}
+    return [where[id(p)] for g in optimizer.param_groups for p in g["params"]]

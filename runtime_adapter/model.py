@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from runtime_adapter.training import GradClip, Training
+from runtime_adapter.training import GradClip, LayerRanges, Training
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,10 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[range]:
-    """Split `num_layers` blocks into `num_stages` contiguous ranges, sizes differing by at most one."""
+    """Split `num_layers` blocks into `num_stages` contiguous ranges, sizes differing by at most one
+    (the same rule as training.split_bounds: `LayerRanges.home`). A schedule's `partition` moves
+    blocks between stages: `StageModule(cfg, s, P, layers)` builds stage s with any range (the
+    layer migration of migration.py; `gpt_training` gives the Training its `LayerRanges`)."""
     if num_stages < 1 or num_layers < num_stages:
         raise ValueError(f"need at least one block per stage: {num_layers} blocks for {num_stages} stages")
     base, extra = divmod(num_layers, num_stages)
@@ -197,6 +200,9 @@ def gpt_training(
         seed=cfg.seed,
         activation_shape=(cfg.microbatch_size, cfg.seq_len, cfg.hidden),
         exact_sums=exact_sums,
+        layer_ranges=LayerRanges(
+            cfg.num_layers, lambda s, num_stages, layers: StageModule(cfg, s, num_stages, layers), "blocks."
+        ),
     )
 
 

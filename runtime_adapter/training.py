@@ -65,6 +65,23 @@ class GradClip:
 
 
 @dataclass(frozen=True)
+class LayerRanges:
+    """A model whose stages are contiguous ranges of `num_layers` layers: what re-partitioning needs
+    (docs/runtime.md, "Layer migration"). `build(s, P, layers)` returns stage s of P holding exactly
+    the layers in `layers` (plus stage s's non-layer parts: embeddings on stage 0, head on the last);
+    the parameters of its j-th layer are named `<prefix><j>.*`. The default split is `split_bounds`."""
+
+    num_layers: int
+    build: Callable[[int, int, range], nn.Module]
+    prefix: str = ""
+
+    def home(self, num_stages: int) -> list[range]:
+        """The layer range of every stage when nothing moved (the split `stage(s, P)` builds)."""
+        b = split_bounds(self.num_layers, num_stages)
+        return [range(b[s], b[s + 1]) for s in range(num_stages)]
+
+
+@dataclass(frozen=True)
 class Training:
     """What to train and how. Only `stage`, `data`, `loss` and `optimizer` are required.
 
@@ -83,6 +100,8 @@ class Training:
     check_data:       read every micro-batch twice and fail if the two reads differ.
     exact_sums:       sum the micro-batches' gradients in float64 (grad_sum.py), so a re-routed run's
                       update is the failure-free one to the bit (Adam needs it); False: float32, faster.
+    layer_ranges:     how to build a stage from any contiguous layer range (`LayerRanges`); needed only
+                      to run schedules that move layers between stages (a `partition`). None: refused.
     """
 
     stage: StageBuilder
@@ -97,6 +116,7 @@ class Training:
     activation_shape: tuple[int, ...] | None = None
     check_data: bool = False
     exact_sums: bool = True
+    layer_ranges: LayerRanges | None = None
 
 
 def build_stage_module(training: Training, stage: int, num_stages: int) -> nn.Module:
@@ -126,6 +146,16 @@ def stages_from_layers(
         return nn.Sequential(*layers[bounds[s] : bounds[s + 1]])
 
     return stage
+
+
+def layer_ranges_from_layers(build_layers: Callable[[], Sequence[nn.Module]]) -> LayerRanges:
+    """`LayerRanges` for a model given as a list of layers (the even split of `stages_from_layers`
+    without `split`): stage s holding `layers` is `nn.Sequential` of those layers."""
+
+    def build(s: int, num_stages: int, layers: range) -> nn.Module:
+        return nn.Sequential(*list(build_layers())[layers.start : layers.stop])
+
+    return LayerRanges(len(build_layers()), build)
 
 
 def split_bounds(num_layers: int, num_stages: int, split: Sequence[int] | None = None) -> list[int]:

@@ -53,6 +53,7 @@ from runtime_adapter.devices import activate, resolve_device, wire_device
 from runtime_adapter.entry import load_entry
 from runtime_adapter.executor import Executor
 from runtime_adapter.incarnation import Incarnation, Verdict
+from runtime_adapter.migration import Migrator
 from runtime_adapter.rendezvous import connect_groups
 from runtime_adapter.settings import runtime_settings
 from runtime_adapter.stage import StageRunner, check_training
@@ -120,7 +121,10 @@ class WorkerProcess:
         # the source is told without blocking (the service: a `checkpoint` event with the worker token;
         # a schedule file: nothing, the launcher reads the directory). A fenced process tells nothing.
         self.on_checkpoint: Callable[[int], None] = self._report_checkpoint
-        self.checkpoints = StageCheckpoints(opts, self.executor, self._log, lambda k: self.on_checkpoint(k))
+        self.migrator = Migrator(self.executor, opts.num_stages)  # layers moved by a `partition`
+        self.checkpoints = StageCheckpoints(
+            opts, self.executor, self._log, lambda k: self.on_checkpoint(k), self.migrator
+        )
 
     def _report_checkpoint(self, stepped: int) -> None:
         if not self.incarnation.fenced:
@@ -217,10 +221,12 @@ class WorkerProcess:
         groups = self._connect(a)
         self.groups.append(groups)
         mine = FRESH if self.fresh else ex.stepped
-        k = allreduce_min(groups, [mine])[0]
+        k, settled = allreduce_min(groups, [mine, int(self.migrator.settled(a, self.fresh))])
         if not self.fresh and ex.stepped != k:
             ex.rollback_to(k)
             self._log({"event": "rollback", "to": k, "version": a.version})
+        for record in self.migrator.follow(a, groups, self.fresh, bool(settled)):  # layers moved
+            self._log(record)
         # state transfer on the stage group: source = lowest-ranked veteran, if anyone is fresh
         rank = groups.stage_rank[a.worker]
         src, not_fresh = allreduce_min(groups, [FRESH if self.fresh else rank, 0 if self.fresh else 1], True)
@@ -299,5 +305,6 @@ class WorkerProcess:
         self.checkpoints.close()  # the last checkpoint's write (and its report) before leaving
         torch.save(self.executor.module.state_dict(), self.opts.out_dir / f"final_{d}_{s}.pt")
         self.reaper.drain(self.settings.group_timeout.total_seconds())
-        self._log({"event": "done", "stepped": self.executor.stepped, **self._resources()})
+        where = self.migrator.where()
+        self._log({"event": "done", "stepped": self.executor.stepped, **where, **self._resources()})
         self.acct.close()

@@ -61,7 +61,8 @@ def fault_hook(fail_at: tuple[int, str] | None) -> Any:
     its `it`-th iteration, counted from the first iteration this process runs (a re-joiner's start);
     phase is F, B, W, BW, OPT (right before the gradient all-reduce) or REDUCED (right after it: the
     peers step, this worker dies before its `step` record; with global-norm clipping the peers then
-    wait for its norm and nobody steps)."""
+    wait for its norm and nobody steps) or MIGRATE (a layer migration is planned, no tensor has moved
+    yet: see migration.py)."""
     if fail_at is None:
         return None
     it, phase = fail_at

@@ -19,6 +19,7 @@ from runtime_adapter import checkpoint
 from runtime_adapter.assignment import Assignment
 from runtime_adapter.executor import Executor
 from runtime_adapter.incarnation import Verdict
+from runtime_adapter.migration import Migrator
 from runtime_adapter.worker_options import EXIT_DROPPED, EXIT_NEEDS_RESTORE, WorkerOptions
 
 logger = logging.getLogger(__name__)
@@ -52,9 +53,12 @@ class StageCheckpoints:
         executor: Executor,
         log: Callable[[dict[str, Any]], None],
         on_durable: Callable[[int], None],
+        migrator: Migrator | None = None,
     ) -> None:
-        """`log` writes an accounting record; `on_durable(stepped)` is called once a write is durable."""
+        """`log` writes an accounting record; `on_durable(stepped)` is called once a write is durable;
+        `migrator`: the layers the module holds (checkpoints hold the stage's own layers only)."""
         self.opts, self.executor, self._log, self.on_durable = opts, executor, log, on_durable
+        self.migrator = migrator
         self.writer: checkpoint.Checkpointer | None = None  # created by the first save
 
     def resume_newest(self) -> int | None:
@@ -66,6 +70,7 @@ class StageCheckpoints:
         if k is None:
             logger.warning("no complete checkpoint in %s: starting from scratch", root)
             return None
+        self._home()
         self.executor.load_state(checkpoint.load_stage(root, stage, k), k)
         logger.info("resumed from the checkpoint at %d stepped iterations", k)
         self._log({"event": "resume", "stepped": k})
@@ -76,6 +81,7 @@ class StageCheckpoints:
         root = self.opts.checkpoint_dir
         if root is None:
             raise ValueError(f"no checkpoint directory to load the checkpoint at {k} from")
+        self._home()
         self.executor.load_state(checkpoint.load_stage(root, self.opts.worker[1], k), k)
         logger.info("loaded the checkpoint at %d stepped iterations", k)
 
@@ -86,6 +92,7 @@ class StageCheckpoints:
         assert a.restore is not None
         k, ex = a.restore.iteration, self.executor
         if k is None:
+            self._home()
             ex.reset_state(ex.runner.build().state_dict())
             logger.warning(
                 "restore epoch %d (v%d): back to the initial parameters", a.restore.epoch, a.version
@@ -108,6 +115,12 @@ class StageCheckpoints:
             return
         if a.stage_alive[0] != self.opts.worker:
             return
+        if self.migrator is not None and self.migrator.moved(a):
+            # Checkpoints hold each stage's own layers, and a complete one needs every stage at the same
+            # count: while any stage holds others, no stage writes (an unmoved stage writing on would
+            # prune, KEEP later, its part of the last complete checkpoint from before the move).
+            logger.info("no checkpoint at %d: v%d moves layers between stages", ex.stepped, a.version)
+            return
         if self.writer is None:
             self.writer = checkpoint.Checkpointer(root)
         # Copies the state and returns (waiting first for the previous write, if still running); the
@@ -115,6 +128,11 @@ class StageCheckpoints:
         model, optim = ex.module.state_dict(), ex.optimizer.state_dict()
         self.writer.save(self.opts.worker[1], ex.stepped, model, optim, self.on_durable)
         self._log({"event": "checkpoint", "stepped": ex.stepped, "version": a.version})
+
+    def _home(self) -> None:
+        """Before a load: the module back on the stage's own layers (what checkpoints hold)."""
+        if self.migrator is not None:
+            self.migrator.reshape_home()
 
     def close(self) -> None:
         """Wait for the last write (and its report)."""

@@ -61,3 +61,8 @@ def drifting(**kwargs: Any) -> Training:
 def bad_optimizer(**kwargs: Any) -> Training:
     """The reference GPT whose optimizer factory refuses its learning rate (torch raises)."""
     return dataclasses.replace(gpt(**kwargs), optimizer=lambda params: torch.optim.SGD(params, lr=-1.0))
+
+
+def no_layer_ranges(**kwargs: Any) -> Training:
+    """The reference GPT without `layer_ranges`: its stages cannot be re-partitioned."""
+    return dataclasses.replace(gpt(**kwargs), layer_ranges=None)

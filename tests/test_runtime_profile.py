@@ -88,9 +88,22 @@ def test_cli_writes_a_spec_the_planner_accepts(tmp_path: Path, capsys: pytest.Ca
     assert plan(job, FailureScenario(), use_cpsat=False).iteration_time_ms > 0
 
 
+def test_cli_layers_writes_layers_and_partition(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "job.json"
+    model = json.dumps({"hidden": 16, "num_layers": 4, "seq_len": 8})
+    argv = ["profile", "--model", model, "--stages", "2", "--pipelines", "2", "--microbatches", "2"]
+    assert runtime_main([*argv, "--layers", "--repeats", "1", "--memory-gib", "0.5", "-o", str(out)]) == 0
+    assert "4 layers measured; partition [[0, 2], [2, 4]]" in capsys.readouterr().out
+    job = JobSpec.model_validate_json(out.read_text())
+    layers = job.layer_profiles()
+    assert job.partition_ranges() == [[0, 2], [2, 4]]
+    assert layers is not None and len(layers) == 4 and all(x.param_mib > 0 for x in layers)
+
+
 @pytest.mark.parametrize(
     "extra",
     [
+        ["--stages", "2", "--layers", "--entry", "tests.library_entries:no_layer_ranges"],
         ["--stages", "5"],  # more stages than the default model's 4 layers
         ["--stages", "0"],
         ["--stages", "2", "--microbatches", "0"],
