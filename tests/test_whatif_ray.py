@@ -3,13 +3,16 @@
 One cluster for the module: a head and a second node, one CPU each, in process groups of their own, killed
 (workers included) at the end. The plans made on Ray are the local path's plans; a node SIGKILLed
 while it runs a task loses nothing (the scenario is submitted again); an unreachable address is one
-line and exit 2 with the directory left resumable.
+line and exit 2 with the directory left resumable; a task that raises a planner error is reported once
+(not submitted again) while the other scenarios are written; Ctrl+C leaves a directory a second run
+completes; the cluster's clean-up leaves a process it did not start alone.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,9 +22,11 @@ from pathlib import Path
 import pytest
 
 from bench.precompute_ray_cluster import LocalRayCluster, process_titles
+from planner.contract import FailureScenario
 from tests.jobs import uniform_job
 from whatif.cache import PlanCache
 from whatif.precompute import precompute
+from whatif.precompute_ray import ScenariosFailed, plan_on_ray
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
 
@@ -31,8 +36,15 @@ FIGURES = ("unrecoverable", "iteration_time_ms", "lower_bound_ms", "memory_bound
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalRayCluster]:
-    with LocalRayCluster(nodes=2, cpus=1) as c:
-        yield c
+    # a process of this session the clean-up must not touch (its own group: like the nodes')
+    decoy = subprocess.Popen(["sleep", "600"], process_group=0)
+    try:
+        with LocalRayCluster(nodes=2, cpus=1) as c:
+            yield c
+        assert decoy.poll() is None, "the cluster's clean-up killed a process it did not start"
+    finally:
+        decoy.kill()
+        decoy.wait()
 
 
 def _recycle(*args: str, **kw: object) -> subprocess.Popen[str]:
@@ -50,12 +62,21 @@ def _figures(root: Path) -> dict[str, tuple[object, ...]]:
     return {k: tuple(r.get(f) for f in FIGURES) for k, r in records.items() if r is not None}
 
 
-@pytest.mark.timeout(150)
-def test_a_node_killed_mid_run_loses_nothing(cluster: LocalRayCluster, tmp_path: Path) -> None:
+def _start(tmp_path: Path, address: str, name: str) -> tuple[Path, Path, subprocess.Popen[str]]:
+    """The job file, the output directory and a running `recycle precompute` of JOB up to 3 failures."""
     job = tmp_path / "job.json"
     job.write_text(JOB.model_dump_json())
-    out = tmp_path / "ray-plans"
-    run = _recycle(str(job), "--max-failures", "3", "-o", str(out), "--ray", cluster.address, "--no-progress")
+    out = tmp_path / name
+    return (
+        job,
+        out,
+        _recycle(str(job), "--max-failures", "3", "-o", str(out), "--ray", address, "--no-progress"),
+    )
+
+
+@pytest.mark.timeout(150)
+def test_a_node_killed_mid_run_loses_nothing(cluster: LocalRayCluster, tmp_path: Path) -> None:
+    job, out, run = _start(tmp_path, cluster.address, "ray-plans")
     # SIGKILL the second node while it runs a task (Ray titles a busy worker after its task)
     deadline = time.monotonic() + 60
     while not any("ray::_plan_task" in t for t in process_titles(cluster.groups[1])):
@@ -110,3 +131,46 @@ def test_an_unreachable_address_is_one_line_exit_2_and_the_directory_stays_resum
     stdout, stderr = resumed.communicate(timeout=60)
     assert resumed.returncode == 0, stderr
     assert "1 already cached, 4 planned now" in stdout, stdout
+
+
+@pytest.mark.timeout(60)
+def test_a_scenario_whose_task_raises_is_reported_once_and_the_others_are_written(
+    cluster: LocalRayCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    import ray
+
+    good = [FailureScenario(failed=[]), FailureScenario(failed=[(0, 1)])]
+    bad = FailureScenario(failed=[(0, 9)])  # outside the grid: the planner raises InvalidInputError
+    got: list[dict[str, object]] = []
+    try:
+        with pytest.raises(ScenariosFailed, match=r"1 scenario.*failed \[\[0, 9\]\]: InvalidInputError"):
+            plan_on_ray(
+                cluster.address, JOB.model_dump_json(), [good[0], bad, good[1]], False, 3.0, got.append
+            )
+    finally:
+        ray.shutdown()
+    assert len(got) == 2  # the others were planned and handed on
+    assert "submitting it again" not in caplog.text  # not retried: the same error every time
+    assert caplog.text.count("a scenario failed") == 1
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_leaves_a_directory_a_second_run_completes(cluster: LocalRayCluster, tmp_path: Path) -> None:
+    job, out, run = _start(tmp_path, cluster.address, "plans")
+    deadline = time.monotonic() + 60
+    while len(list(out.glob("*.json"))) < 3:  # interrupted once a few plans are written
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.02)
+    run.send_signal(signal.SIGINT)
+    stdout, stderr = run.communicate(timeout=30)
+    written = len(list(out.glob("*.json")))
+    assert run.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1].startswith("interrupted: the plans written so far stay"), stderr
+    assert 3 <= written < 69 and not list(out.glob("index-*"))
+    again = _recycle(
+        str(job), "--max-failures", "3", "-o", str(out), "--ray", cluster.address, "--no-progress"
+    )
+    stdout, stderr = again.communicate(timeout=60)
+    assert again.returncode == 0, stderr
+    assert f"{written} already cached, {69 - written} planned now" in stdout, stdout
+    assert list(out.glob("index-*"))

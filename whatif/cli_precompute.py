@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -63,16 +64,28 @@ def cmd_precompute(args: argparse.Namespace) -> int:
         from whatif.precompute_ray import connect
 
         connect(ray_address)
-    stats = precompute(
-        job,
-        args.max_failures,
-        PlanCache(args.output),
-        num_workers=args.workers,
-        use_cpsat=args.cpsat,
-        time_limit=timedelta(seconds=args.time_limit),
-        progress=not args.no_progress,
-        ray_address=ray_address or None,
-    )
+    from whatif.precompute_ray import ScenariosFailed
+
+    try:
+        stats = precompute(
+            job,
+            args.max_failures,
+            PlanCache(args.output),
+            num_workers=args.workers,
+            use_cpsat=args.cpsat,
+            time_limit=timedelta(seconds=args.time_limit),
+            progress=not args.no_progress,
+            ray_address=ray_address or None,
+        )
+    except ScenariosFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # every finished plan is written; the index only comes with the last one
+        print(
+            f"\ninterrupted: the plans written so far stay in {args.output}; run again to resume",
+            file=sys.stderr,
+        )
+        return 130
     saved = stats.saved_by_normalization / max(1, stats.physical_scenarios)
     if args.json:
         print(json.dumps(stats.to_dict(), indent=1))

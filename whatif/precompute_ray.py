@@ -5,8 +5,10 @@ canonical scenario and returns the record the local path makes (`whatif.precompu
 which the driver writes to the plan directory as soon as `ray.wait` reports it: the directory and
 its resumability are those of the local path. At most `in_flight` tasks are submitted at a time. A
 task lost with its worker or its node (worker crash, node death, a result lost with its node's
-object store) is submitted again, at most RETRIES times, with a warning on stderr. Ray is imported
-here only, so nothing needs it without `--ray`.
+object store) is submitted again, at most RETRIES times, with a warning on stderr. A task that raises
+(a planner error: the same on every try) is not submitted again: the other scenarios go on, and at
+the end `ScenariosFailed` names the scenarios that failed (the directory stays resumable: no index
+is written). Ray is imported here only, so nothing needs it without `--ray`.
 
 ADDRESS is what `ray.init` accepts: `auto` (the cluster `ray start` left on this machine, or
 RAY_ADDRESS), `HOST:PORT` of the head's GCS (from a cluster node) or `ray://HOST:PORT` (Ray Client,
@@ -34,6 +36,20 @@ RETRIES = 3  # resubmissions of one scenario lost with its worker or node
 WINDOW_REFRESH_S = 10.0  # how often the number of tasks kept in flight follows the cluster's CPUs
 CONNECT_TIMEOUT_S = 5.0
 FLAG = "--ray/RECYCLE_RAY_ADDRESS"
+
+
+class ScenariosFailed(RuntimeError):
+    """Some scenarios could not be planned on Ray (the others were written): one line, exit 1."""
+
+    def __init__(self, failures: list[tuple[str, BaseException]]) -> None:
+        self.failures = failures
+        scenario, exc = failures[0]
+        first = (str(exc).strip().splitlines() or [""])[0]
+        failed = FailureScenario.model_validate_json(scenario).failed
+        super().__init__(
+            f"{len(failures)} scenario(s) not planned on Ray (the others are written; no index: run again "
+            f"to retry them); first: failed {[list(w) for w in failed]}: {type(exc).__name__}: {first}"
+        )
 
 
 def _ray() -> Any:
@@ -121,6 +137,7 @@ def plan_on_ray(
     queue = [s.model_dump_json() for s in reversed(scenarios)]  # popped from the end: in order
     pending: dict[Any, tuple[str, int]] = {}  # in flight: ref -> (scenario, resubmissions so far)
     retried, window, window_at = 0, 0, -math.inf
+    failures: list[tuple[str, BaseException]] = []  # scenarios whose task raised (not retried)
     while queue or pending:
         if time.monotonic() - window_at > WINDOW_REFRESH_S:  # the cluster may have grown
             window, window_at = in_flight(ray), time.monotonic()
@@ -134,7 +151,8 @@ def plan_on_ray(
                 rec = ray.get(ref)
             except lost_types as exc:
                 if attempt >= RETRIES:
-                    raise RuntimeError(f"a scenario was lost {attempt + 1} times on Ray: {s_json}") from exc
+                    failures.append((s_json, exc))
+                    continue
                 log.warning(
                     "precompute on Ray: a scenario was lost with its worker or node (%s); submitting it "
                     "again (retry %d of %d)",
@@ -151,6 +169,13 @@ def plan_on_ray(
                         f"{FLAG} {address}: the Ray workers cannot import recycle; pip install it into the "
                         "Python that runs `ray start` on every node"
                     ) from None
-                raise
+                if not isinstance(exc, rx.RayTaskError):
+                    raise
+                cause = getattr(exc, "cause", None)  # the task's own exception (a planner error)
+                failures.append((s_json, cause if isinstance(cause, BaseException) else exc))
+                log.warning("precompute on Ray: a scenario failed (%s); going on with the others", s_json)
+                continue
             record(rec)
+    if failures:
+        raise ScenariosFailed(failures)
     return retried
