@@ -328,7 +328,10 @@ class Migration(_Doc):
 
     moves: list[LayerMove] = Field(default_factory=list, description="Moved layer ranges.")
     mib: NonNegativeFloat = Field(description="Parameters + optimizer state moved per pipeline, MiB.")
-    estimated_ms: NonNegativeFloat = Field(description="mib over comm.migration_mib_per_ms, ms.")
+    estimated_ms: NonNegativeFloat = Field(
+        description="The busiest sender's MiB (a live peer also sends the copies of its failed peers' "
+        "pipelines) over comm.migration_mib_per_ms, ms."
+    )
 
 
 class Schedule(_Doc):

@@ -200,3 +200,24 @@ def test_a_split_that_fits_where_the_job_partition_does_not() -> None:
     assert rep.reroute is None and rep.partition == [[0, 3], [3, 4]]
     assert "does not fit in memory" in rep.note
     validate(job, FailureScenario(failed=[(0, 0)]), rep.result.schedule)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_migration_estimate_is_what_the_busiest_sender_sends(data: st.DataObject) -> None:
+    """Parameters (param_mib without its gradient half) + optimizer state, per pipeline; a live peer
+    sends the copies of its stage's failed pipelines too, so a failure at the source multiplies."""
+    job = data.draw(layered_jobs())
+    model = layer_model(job)
+    part = data.draw(compositions(model.num_layers, job.num_stages))
+    scenario = data.draw(recoverable_scenarios(job))
+    mig = migration(job, part, model, scenario=scenario)
+    given_by: dict[int, float] = {}
+    for mv in mig.moves:
+        for layer in model.layers[mv.layers[0] : mv.layers[1]]:
+            given_by[mv.from_stage] = given_by.get(mv.from_stage, 0.0) + layer.param_mib / 2 + 12.0
+    assert mig.mib == pytest.approx(sum(given_by.values()))
+    failed = [s for _, s in scenario.failed]
+    busiest = max(((1 + failed.count(f)) * mib for f, mib in given_by.items()), default=0.0)
+    assert mig.estimated_ms == pytest.approx(busiest / model.migration_mib_per_ms)
+    assert migration(job, part, model).estimated_ms <= mig.estimated_ms + 1e-9

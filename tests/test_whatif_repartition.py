@@ -41,7 +41,8 @@ def test_no_slower_than_recycle_and_charges_migration(tmp_path: Path, exact: boo
     moved = rep.switch_s - 10.0  # the change to the two-failure split: its layers' state over 0.5 MiB/ms
     assert moved > 0
     rep.outcome(none)
-    assert rep.switch_s - 10.0 == pytest.approx(moved)  # and back on re-join
+    back = rep.switch_s - 10.0  # and back on re-join: every sender alive, each sends its own copy,
+    assert 0 < back < moved  # while the move out had one live peer of stage 1 send all three
     rep.outcome(none)
     assert rep.switch_s == pytest.approx(10.0)  # no change of split: re-route cost only
     assert rep.outcome(FailureScenario(failed=[(0, 1), (1, 1), (2, 1)])).fatal

@@ -172,7 +172,7 @@ def plan_repartition(
         if reroute is None:
             note += " (re-route only not planned: its load bound is above this plan)"
     chosen.baseline_1f1b_ms = baseline_1f1b_ms(job)  # the job's failure-free 1F1B, not the derived one's
-    mig = migration(job, chosen_p, model)
+    mig = migration(job, chosen_p, model, scenario=scenario)
     schedule = chosen.schedule
     if chosen_p != model.partition:
         extra = schedule.__pydantic_extra__

@@ -10,7 +10,7 @@ optimizer state of layers it gained, plus those of layers it gave away.
 
 from __future__ import annotations
 
-from planner.contract import JobSpec, LayerMove, Migration, StageProfile, check_partition
+from planner.contract import FailureScenario, JobSpec, LayerMove, Migration, StageProfile, check_partition
 from planner.errors import InvalidInputError
 from planner.partition.layers import LAYER_FIELDS, LayerModel, layer_model
 
@@ -72,10 +72,17 @@ def migration(
     partition: list[list[int]],
     model: LayerModel | None = None,
     source: list[list[int]] | None = None,
+    scenario: FailureScenario | None = None,
 ) -> Migration:
-    """The layer moves from `source` (default: the job's partition) to `partition` (per pipeline,
-    the same in every pipeline), the MiB of parameters + optimizer state moved, and the time at the
-    link bandwidth (moves run one after the other: an upper estimate)."""
+    """The layer moves from `source` (default: the job's partition) to `partition` (the same in
+    every pipeline), the MiB moved per pipeline and the estimated time.
+
+    What moves is what the runtime sends (runtime_adapter/migration.py): parameters (half of
+    `param_mib`, which also counts the gradient buffer, empty between iterations) and optimizer
+    state. Each pipeline's copy comes from that pipeline's old holder; the copies of pipelines whose
+    old holder failed (`scenario`) all come from one live peer, which sends them one after the
+    other. Senders run in parallel, so the estimate is the busiest sender's MiB over the link
+    bandwidth: (1 + failed workers of stage f) x the MiB stage f gives away, maximized over f."""
     model = model or layer_model(job)
     old = [s for s, (a, b) in enumerate(source or model.partition) for _ in range(a, b)]
     new = [s for s, (a, b) in enumerate(partition) for _ in range(a, b)]
@@ -88,5 +95,9 @@ def migration(
             last.layers = (last.layers[0], layer + 1)
         else:
             moves.append(LayerMove(layers=(layer, layer + 1), from_stage=f, to_stage=t))
-    mib = sum(model.resident_mib(m.layers[0], m.layers[1]) for m in moves)
-    return Migration(moves=moves, mib=mib, estimated_ms=mib / model.migration_mib_per_ms)
+    given: dict[int, float] = {}
+    for m in moves:
+        given[m.from_stage] = given.get(m.from_stage, 0.0) + model.moved_mib(m.layers[0], m.layers[1])
+    failed = [s for _, s in scenario.failed] if scenario is not None else []
+    busiest = max(((1 + failed.count(f)) * mib for f, mib in given.items()), default=0.0)
+    return Migration(moves=moves, mib=sum(given.values()), estimated_ms=busiest / model.migration_mib_per_ms)

@@ -53,6 +53,11 @@ class LayerModel:
         """Parameters + optimizer state of layers [a, b)."""
         return sum(x.param_mib + x.optimizer_state_mib for x in self.layers[a:b])
 
+    def moved_mib(self, a: int, b: int) -> float:
+        """What moving layers [a, b) sends: parameters (`param_mib` without its gradient half) and
+        optimizer state."""
+        return sum(x.param_mib / 2 + x.optimizer_state_mib for x in self.layers[a:b])
+
 
 def _model(job: JobSpec) -> dict[str, object]:
     model = (job.__pydantic_extra__ or {}).get("model")

@@ -64,7 +64,7 @@ def repartition_record(
         "reroute_only_ms": own_ms,
         "partition": part,
         "best_load_bound_ms": best,
-        "migration_ms": migration(job, part, model).estimated_ms,
+        "migration_ms": migration(job, part, model, scenario=scenario).estimated_ms,
         "estimated": True,
     }
 
@@ -88,6 +88,7 @@ class RecycleRepartition(Strategy):
         self.time_limit, self.exact = time_limit, exact
         self.model = layer_model(job)  # InvalidInputError when the job has no layer count
         self._active = self._last = self.model.partition
+        self._last_scenario: FailureScenario | None = None
         self.migrations_ms: list[float] = []  # charged at each change, in order
         self._partitions: dict[str, list[list[int]]] = {}  # normalized key -> its split
 
@@ -114,11 +115,14 @@ class RecycleRepartition(Strategy):
         out = super().outcome(scenario)
         if not out.fatal:
             self._last = self._partitions[normalize(self.job, scenario).key]
+            self._last_scenario = scenario
         return out
 
     @property
     def switch_s(self) -> float:
-        moved = migration(self.job, self._last, self.model, source=self._active).estimated_ms
+        moved = migration(
+            self.job, self._last, self.model, source=self._active, scenario=self._last_scenario
+        ).estimated_ms
         self._active = self._last
         self.migrations_ms.append(moved)
         return self.costs.reroute_s + moved / 1000.0
