@@ -20,7 +20,14 @@ from planner.contract import FailureScenario, JobSpec
 from planner.errors import InvalidInputError
 from whatif.cache import PlanCache
 from whatif.cli_precompute import add_precompute_parser, cmd_precompute
-from whatif.strategies import ALL_STRATEGIES, CheckpointRestart, Costs, Strategy, make_strategies
+from whatif.strategies import (
+    ALL_STRATEGIES,
+    EXTRA_STRATEGIES,
+    CheckpointRestart,
+    Costs,
+    Strategy,
+    make_strategies,
+)
 from whatif.trace import parse_duration
 
 log = logging.getLogger(__name__)
@@ -47,7 +54,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="plan cache directory (from `recycle precompute`; created if missing); "
         "misses are planned and added",
     )
-    p.add_argument("--strategies", default=",".join(ALL_STRATEGIES), help="comma-separated strategies")
+    p.add_argument(
+        "--strategies",
+        default=",".join(ALL_STRATEGIES),
+        help=f"comma-separated strategies (default: all of {', '.join(ALL_STRATEGIES)}; opt-in: "
+        f"{', '.join(EXTRA_STRATEGIES)}, docs/strategies.md)",
+    )
     p.add_argument("--workers", type=int, default=2, help="planning processes for cache misses (default 2)")
     p.add_argument(
         "--time-limit", type=finite_float, default=3.0, help="greedy budget per plan, seconds (default 3)"
