@@ -142,8 +142,9 @@ async def heartbeat_loop(service: JobService) -> None:
 
     Checks every heartbeat_check_s, and sooner when a tracked worker's silence reaches its job's
     timeout before then: a worker is declared failed right after `timeout` s without a request. On a
-    store shared by replicas, poll arrivals are published to the store on every check, and a worker
-    another replica saw recently is not failed (api/job_sync.py's SharedHeartbeats)."""
+    store shared by replicas, poll arrivals are published to the store on every check and the other
+    replicas' are adopted (every replica watches every worker, whichever replica it polls), and a
+    worker another replica saw recently is not failed (api/job_sync.py's SharedHeartbeats)."""
     delay = service.settings.heartbeat_check_s
     shared = SharedHeartbeats(service) if service.coord.shared else None
     while True:
@@ -151,7 +152,7 @@ async def heartbeat_loop(service: JobService) -> None:
         now = time.monotonic()
         delay = service.settings.heartbeat_check_s
         if shared is not None:
-            shared.publish(now)
+            await shared.sync(now)
         for rt in list(service.jobs.values()):
             silent, deadline = scan_heartbeats(rt, now, service.settings.heartbeat_timeout_s)
             if deadline is not None:

@@ -5,7 +5,8 @@ registers the mapping: invalid input 422, unknown job 404, unrecoverable failure
 the stage and saying to restore from a checkpoint), conflicting event_id 409, an event for a
 finished job 409, `done` from a worker the job has as failed 409, an Idempotency-Key reused for
 another body 422, planner bug 500, solver overload 503, database unreachable (PostgreSQL down or
-restarting, no free connection) or a version another replica committed first 503 (retry).
+restarting, hanging, no free connection) or a version another replica committed first 503 with
+Retry-After: 1 (retry).
 """
 
 from __future__ import annotations
@@ -63,9 +64,11 @@ def _unrecoverable(_: Request, exc: Exception) -> JSONResponse:
     )
 
 
-def _simple(status: int, error: str):  # type: ignore[no-untyped-def]
+def _simple(status: int, error: str, retry_after_s: int | None = None):  # type: ignore[no-untyped-def]
+    headers = None if retry_after_s is None else {"Retry-After": str(retry_after_s)}
+
     def handler(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(status_code=status, content={"detail": str(exc), "error": error})
+        return JSONResponse(status_code=status, content={"detail": str(exc), "error": error}, headers=headers)
 
     return handler
 
@@ -80,7 +83,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(WorkerFailedError, _simple(409, "worker_failed"))
     app.add_exception_handler(IdempotencyConflictError, _simple(422, "idempotency_key_reused"))
     app.add_exception_handler(SolverBusyError, _simple(503, "solver_busy"))
-    app.add_exception_handler(StoreUnavailableError, _simple(503, "database_unavailable"))
-    app.add_exception_handler(VersionConflictError, _simple(503, "version_conflict"))
+    app.add_exception_handler(StoreUnavailableError, _simple(503, "database_unavailable", 1))
+    app.add_exception_handler(VersionConflictError, _simple(503, "version_conflict", 1))
     app.add_exception_handler(ScheduleRuleError, _simple(500, "planner_bug"))
     install_validation(app)  # 422 naming the field for NaN/Infinity in a body, never echoing them

@@ -19,6 +19,7 @@ from api.records import StoreUnavailableError
 log = logging.getLogger(__name__)
 
 RESYNC_TRIES, RESYNC_RETRY_S = 240, 0.5  # keep trying to re-read every job for two minutes
+ADOPT_MARGIN_S = 5.0  # re-read rows this much older than the last read (another replica publishes late)
 
 
 class ReplicaSync:
@@ -75,15 +76,20 @@ class ReplicaSync:
 
 class SharedHeartbeats:
     """Heartbeats over replicas: a worker's polls may reach any replica (a load balancer), so each
-    replica publishes the arrivals it saw (wall-clock, to the store's `heartbeats` table) and, before
-    declaring a worker failed, asks whether another replica saw it within the timeout."""
+    replica publishes the arrivals it saw (wall-clock, to the store's `heartbeats` table) and adopts
+    those the other replicas published: it watches every worker of every job that polled any replica,
+    so a worker whose replica died is still failed when it goes silent. Before declaring a worker
+    failed, it asks whether another replica saw it within the timeout (and the job service asks once
+    more under the job's lock: api/jobs.py)."""
 
     def __init__(self, service: JobService) -> None:
         self.service = service
         self._published: dict[tuple[str, tuple[int, int]], float] = {}
+        self._read_until = 0.0  # wall clock of the last read of the table (0: read every row)
 
-    def publish(self, now: float) -> None:
-        """Publish the arrivals since the last call (`now`: time.monotonic())."""
+    async def sync(self, now: float) -> None:
+        """Publish the arrivals since the last call and adopt the rows published since the last read
+        (`now`: time.monotonic()). The database is used from a thread: the event loop never waits."""
         wall = time.time()
         fresh = {
             (job_id, w): seen
@@ -92,12 +98,34 @@ class SharedHeartbeats:
             if self._published.get((job_id, w)) != seen
         }
         rows = [(job_id, w[0], w[1], wall - (now - seen)) for (job_id, w), seen in fresh.items()]
+        since = self._read_until - ADOPT_MARGIN_S
         try:
-            self.service.coord.publish_seen(rows)
+            seen_rows = await asyncio.to_thread(self._exchange, rows, since)
         except StoreUnavailableError as exc:
-            log.warning("heartbeats not published: %s", exc)
+            log.warning("heartbeats not shared: %s", exc)
             return
         self._published.update(fresh)
+        self._read_until = wall
+        failed: dict[str, set[tuple[int, int]]] = {}
+        for job_id, d, s, t in seen_rows:
+            rt = self.service.jobs.get(job_id)
+            if rt is None or not rt.record.heartbeat_enabled or rt.record.state != "running":
+                continue
+            if job_id not in failed:
+                failed[job_id] = {(int(fd), int(fs)) for fd, fs in rt.scenario.failed}
+            w = (d, s)
+            if w in rt.done or w in failed[job_id]:
+                continue
+            arrival = now - (wall - t)
+            if arrival > rt.last_seen.get(w, float("-inf")):
+                rt.last_seen[w] = self._published[(job_id, w)] = arrival
+
+    def _exchange(
+        self, rows: list[tuple[str, int, int, float]], since: float
+    ) -> list[tuple[str, int, int, float]]:
+        coord = self.service.coord
+        coord.publish_seen(rows)
+        return coord.seen_after(since)
 
     def still_silent(
         self, rt: JobRuntime, silent: list[tuple[int, int]], now: float

@@ -33,6 +33,7 @@ class Coordinator(Protocol):
     def release_claim(self, key: str) -> None: ...
     def publish_seen(self, rows: list[tuple[str, int, int, float]]) -> None: ...
     def seen_since(self, job_id: str, workers: list[Worker], since: float) -> dict[Worker, float]: ...
+    def seen_after(self, since: float) -> list[tuple[str, int, int, float]]: ...
 
 
 class LocalCoordinator:
@@ -61,3 +62,6 @@ class LocalCoordinator:
 
     def seen_since(self, job_id: str, workers: list[Worker], since: float) -> dict[Worker, float]:
         return {}
+
+    def seen_after(self, since: float) -> list[tuple[str, int, int, float]]:
+        return []

@@ -7,16 +7,21 @@ on one job never write a version twice or go back. Every committed change to a j
 CHANNEL (`<job id>:<version>`, delivered at commit) that the other replicas' listeners turn into
 in-memory refreshes and long-poll wake-ups (api/store_coord.py). A lost connection, a server that is
 down or restarting, or a pool with no free connection within RECYCLE_DATABASE_TIMEOUT_S is
-StoreUnavailableError (503); the pool checks connections before handing them out and reconnects.
+StoreUnavailableError (503); the pool checks connections before handing them out and reconnects. A
+call to a server that hangs is cut after RECYCLE_DATABASE_TIMEOUT_S, or about a second once the
+listener's probe hangs (api/store_pg_watch.py), so the event loop is never blocked for longer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
@@ -37,12 +42,23 @@ from api.records import (
 )
 from api.settings import Settings
 from api.store_migrate import migrate
+from api.store_pg_watch import Watchdog
 from api.store_rows import StoreReads, job_values
+from planner.errors import InvalidInputError
 
 log = logging.getLogger(__name__)
 
 CHANNEL = "recycle_jobs"
-_DOWN = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
+LOOP_POOL_WAIT_S = 0.25  # on the event loop: longest wait for a connection of a full pool,
+LOOP_GROW_WAIT_S = 1.0  # and for one the pool is opening
+# unreachable, restarting, hanging or overloaded (OperationalError covers serialization failures and
+# deadlocks too), or a read-only standby after a failover: a 503, retry
+_DOWN = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout, psycopg.errors.ReadOnlySqlTransaction)
+_FIELDS = {  # columns as the request fields they come from
+    ("jobs", "name"): "job.name",
+    ("events", "event_id"): "event_id",
+    ("versions", "cause"): "event_id",
+}
 
 
 def check_url(url: str) -> dict[str, Any]:
@@ -89,7 +105,16 @@ class PostgresStore(StoreReads):
         if before != after:
             log.info("database %s: schema migrated from version %d to %d", self.path, before, after)
         self._pool_size = settings.database_pool_size
+        self.watchdog = Watchdog(self._server_hung)
         self.pool = self._new_pool()
+
+    def _server_hung(self) -> None:
+        self.down = True  # until the listener reconnects (api/store_pg_coord.py)
+
+    def _check(self, conn: psycopg.Connection[Any]) -> None:
+        """The pool's check of a connection before handing it out, cut when the server hangs."""
+        with self.watchdog.watch(conn, self.timeout):
+            ConnectionPool.check_connection(conn)
 
     def _new_pool(self) -> ConnectionPool[Any]:
         return ConnectionPool(
@@ -97,11 +122,27 @@ class PostgresStore(StoreReads):
             min_size=1,
             max_size=self._pool_size,
             timeout=self.timeout,
-            kwargs={"autocommit": True, "connect_timeout": max(1, round(self.timeout))},
-            check=ConnectionPool.check_connection,
+            kwargs={"autocommit": True, **self.connect_args()},
+            check=self._check,
             open=True,
             name="recycle",
         )
+
+    def _pool_wait(self) -> float:
+        """How long to wait for a pooled connection: the timeout in a thread; on the event loop (where
+        waiting stalls every request of the process) LOOP_POOL_WAIT_S once the pool is at its size
+        limit (every connection busy: better a 503 at once), LOOP_GROW_WAIT_S while it opens one."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return self.timeout
+        full = self.pool.get_stats().get("pool_size", 0) >= self._pool_size
+        return min(self.timeout, LOOP_POOL_WAIT_S if full else LOOP_GROW_WAIT_S)
+
+    def connect_args(self) -> dict[str, Any]:
+        """psycopg.connect() arguments of every connection: the connect timeout, and an application
+        name that tells the replicas apart in pg_stat_activity (`recycle-<pid>`)."""
+        return {"connect_timeout": max(1, round(self.timeout)), "application_name": f"recycle-{os.getpid()}"}
 
     def reset_pool(self) -> None:
         """A fresh pool (the server is back after an outage): the old one may still be backing off
@@ -117,17 +158,24 @@ class PostgresStore(StoreReads):
         if self.down:
             raise StoreUnavailableError(f"database {self.path} is unreachable (reconnecting)")
         try:
-            with self.pool.connection() as conn:
+            with (
+                self.pool.connection(timeout=self._pool_wait()) as conn,
+                self.watchdog.watch(conn, self.timeout),
+            ):
                 yield conn
         except _DOWN as exc:
             raise StoreUnavailableError(f"database {self.path}: {_first_line(exc)}") from None
 
     def _one(self, sql: str, args: tuple[Any, ...]) -> dict[str, Any] | None:
+        if _has_nul(args):
+            return None  # PostgreSQL text never holds a NUL: no row has this key (a 404, not a 500)
         with self.connection() as conn:
             row: dict[str, Any] | None = conn.cursor(row_factory=dict_row).execute(sql, args).fetchone()
             return row
 
     def _all(self, sql: str, args: tuple[Any, ...]) -> list[dict[str, Any]]:
+        if _has_nul(args):
+            return []
         with self.connection() as conn:
             return conn.cursor(row_factory=dict_row).execute(sql, args).fetchall()
 
@@ -167,6 +215,7 @@ class PostgresStore(StoreReads):
                 if update:
                     sets = ", ".join(f"{k} = %s" for k in update)
                     conn.execute(f"UPDATE jobs SET {sets} WHERE id = %s", (*update.values(), job_id))
+                _sync_heartbeats(conn, job_id, update)
                 conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"{job_id}:{stored}"))
                 self._maybe_kill("before_commit", event)
             self._maybe_kill("after_commit", event)
@@ -190,6 +239,7 @@ class PostgresStore(StoreReads):
         return {str(r["key"]) for r in rows}
 
     def close(self) -> None:
+        self.watchdog.close()
         self.pool.close()
 
 
@@ -205,8 +255,36 @@ def _raced() -> Iterator[None]:
 
 
 def _insert(conn: psycopg.Connection[Any], table: str, vals: dict[str, Any]) -> None:
+    for col, val in vals.items():
+        if isinstance(val, str) and "\x00" in val:  # SQLite takes it; PostgreSQL text cannot hold it
+            raise InvalidInputError(f"{_FIELDS.get((table, col), col)}: contains a NUL character (\\u0000)")
     marks = ", ".join("%s" for _ in vals)
     conn.execute(f"INSERT INTO {table} ({', '.join(vals)}) VALUES ({marks})", tuple(vals.values()))
+
+
+def _has_nul(args: tuple[Any, ...]) -> bool:
+    return any(isinstance(a, str) and "\x00" in a for a in args)
+
+
+def _sync_heartbeats(conn: psycopg.Connection[Any], job_id: str, update: dict[str, Any]) -> None:
+    """Keep the job's `heartbeats` rows in step with the change (same transaction): a finished job's
+    rows go, a failed worker's row goes (a re-joiner is tracked again from its next poll), and new
+    heartbeat switches count every worker as seen now (as api/jobs.py's set_switches does in memory),
+    so that no replica fails a worker on an arrival older than the switch."""
+    if update.get("state") == "finished":
+        conn.execute("DELETE FROM heartbeats WHERE job_id = %s", (job_id,))
+    elif "scenario_json" in update:
+        failed = json.loads(update["scenario_json"]).get("failed") or []
+        if failed:
+            conn.execute(
+                "DELETE FROM heartbeats WHERE job_id = %s AND (d, s) IN "
+                "(SELECT * FROM unnest(%s::int[], %s::int[]))",
+                (job_id, [int(w[0]) for w in failed], [int(w[1]) for w in failed]),
+            )
+    if "heartbeat_enabled" in update or "heartbeat_timeout_s" in update:
+        conn.execute(
+            "UPDATE heartbeats SET seen_at = greatest(seen_at, %s) WHERE job_id = %s", (time.time(), job_id)
+        )
 
 
 def _kill_hook(text: str | None) -> tuple[str, str] | None:

@@ -10,8 +10,11 @@
   liveness probe: while it is lost the store is marked down (requests answer 503 at once), and on
   reconnecting every job is re-read (notifications sent meanwhile were lost).
 - **Heartbeats**: arrivals of worker polls are upserted into `heartbeats` (the latest per worker over
-  every replica), and read back before a replica declares a worker failed: a worker that moved to
-  another replica is not failed by the one it left.
+  every replica). Every replica reads back the rows of every job (`seen_after`) and watches those
+  workers too, so a worker whose replica died is still failed when it goes silent; and each replica
+  reads them again before declaring a worker failed (and once more under the job's lock, where the
+  first replica's `fail` is seen by the others: one failure), so a worker that polls another replica
+  is not failed. The store drops the rows of failed workers and finished jobs (api/store_pg.py).
 """
 
 from __future__ import annotations
@@ -25,14 +28,17 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import psycopg
+from psycopg_pool import PoolTimeout
 
 from api.records import StoreUnavailableError
 from api.store_coord import OnChange, OnResync, Worker, lock_key
 from api.store_pg import _DOWN, CHANNEL, PostgresStore
+from api.store_pg_watch import PROBE_STALL_S
 
 log = logging.getLogger(__name__)
 
 RECONNECT_S = 0.5
+GETCONN_STEP_S = 0.25
 LOCK_WAIT_S = 60.0  # longest wait for another replica's job lock (a solve holds it for seconds at most)
 
 
@@ -60,11 +66,10 @@ class PgCoordinator:
                 self._claims.close()
 
     def _listen(self, loop: asyncio.AbstractEventLoop, on_change: OnChange, on_resync: OnResync) -> None:
-        timeout = max(1, round(self.store.timeout))
         first = True
         while not self._stopping.is_set():
             try:
-                with psycopg.connect(self.store.url, autocommit=True, connect_timeout=timeout) as conn:
+                with psycopg.connect(self.store.url, autocommit=True, **self.store.connect_args()) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
                     if self.store.down or not first:
                         log.warning("database %s reachable again", self.store.path)
@@ -76,7 +81,8 @@ class PgCoordinator:
                         for note in conn.notifies(timeout=0.5):
                             job_id, _, version = note.payload.rpartition(":")
                             loop.call_soon_threadsafe(on_change, job_id, int(version))
-                        conn.execute("SELECT 1")  # liveness probe: the server may be gone
+                        with self.store.watchdog.watch(conn, PROBE_STALL_S, probe=True):
+                            conn.execute("SELECT 1")  # liveness probe: the server may be gone or hang
             except (psycopg.Error, OSError) as exc:
                 if not self.store.down:
                     log.warning(
@@ -96,15 +102,13 @@ class PgCoordinator:
             raise StoreUnavailableError(f"database {store.path} is unreachable (reconnecting)")
         key = lock_key("job", job_id)
         pool = store.pool  # the connection goes back to the pool it came from (reset_pool)
-        try:
-            conn = await asyncio.to_thread(pool.getconn, store.timeout)
-        except _DOWN as exc:
-            raise StoreUnavailableError(f"database {store.path}: {exc}") from None
+        conn = await _getconn(store, pool)
         try:
             deadline = time.monotonic() + LOCK_WAIT_S
             delay = 0.001
+            watch = store.watchdog.watch
             try:
-                while not conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0]:  # type: ignore[index]
+                while not _try_lock(conn, key, watch, store.timeout):
                     if time.monotonic() > deadline:
                         raise StoreUnavailableError(f"job {job_id}: another replica holds its lock")
                     await asyncio.sleep(delay)
@@ -114,16 +118,14 @@ class PgCoordinator:
             try:
                 yield
             finally:
-                with contextlib.suppress(*_DOWN):
+                with contextlib.suppress(*_DOWN), watch(conn, store.timeout):
                     conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
         finally:
             pool.putconn(conn)
 
     def _claims_conn(self) -> psycopg.Connection[Any]:
         if self._claims is None or self._claims.closed or self._claims.broken:
-            self._claims = psycopg.connect(
-                self.store.url, autocommit=True, connect_timeout=max(1, round(self.store.timeout))
-            )
+            self._claims = psycopg.connect(self.store.url, autocommit=True, **self.store.connect_args())
         return self._claims
 
     def try_claim(self, key: str) -> bool:
@@ -131,8 +133,9 @@ class PgCoordinator:
         if self.store.down:
             raise StoreUnavailableError(f"database {self.store.path} is unreachable (reconnecting)")
         try:
-            row = self._claims_conn().execute("SELECT pg_try_advisory_lock(%s)", (lock_key("plan", key),))
-            return bool(row.fetchone()[0])  # type: ignore[index]
+            return _try_lock(
+                self._claims_conn(), lock_key("plan", key), self.store.watchdog.watch, self.store.timeout
+            )
         except _DOWN as exc:
             raise StoreUnavailableError(f"database {self.store.path}: {exc}") from None
 
@@ -140,7 +143,9 @@ class PgCoordinator:
         if self.store.down:
             return  # the session, and so the claim, is gone with the connection
         with contextlib.suppress(*_DOWN):
-            self._claims_conn().execute("SELECT pg_advisory_unlock(%s)", (lock_key("plan", key),))
+            conn = self._claims_conn()
+            with self.store.watchdog.watch(conn, self.store.timeout):
+                conn.execute("SELECT pg_advisory_unlock(%s)", (lock_key("plan", key),))
 
     def publish_seen(self, rows: list[tuple[str, int, int, float]]) -> None:
         """Record poll arrivals (job, d, s, wall-clock time); the latest per worker is kept."""
@@ -154,6 +159,14 @@ class PgCoordinator:
                 rows,
             )
 
+    def seen_after(self, since: float) -> list[tuple[str, int, int, float]]:
+        """(job, d, s, latest arrival) of every worker some replica saw poll after `since` (wall clock)."""
+        with self.store.connection() as conn:
+            rows = conn.execute(
+                "SELECT job_id, d, s, seen_at FROM heartbeats WHERE seen_at > %s", (since,)
+            ).fetchall()
+        return [(str(j), int(d), int(s), float(t)) for j, d, s, t in rows]
+
     def seen_since(self, job_id: str, workers: list[Worker], since: float) -> dict[Worker, float]:
         """{worker: latest arrival} of `workers` that some replica saw poll after `since` (wall clock)."""
         with self.store.connection() as conn:
@@ -162,3 +175,28 @@ class PgCoordinator:
             ).fetchall()
         wanted = set(workers)
         return {(int(d), int(s)): float(t) for d, s, t in rows if (int(d), int(s)) in wanted}
+
+
+def _try_lock(conn: psycopg.Connection[Any], key: int, watch: Any, limit_s: float) -> bool:
+    """pg_try_advisory_lock(key) on `conn`, cut by the watchdog if the server hangs."""
+    with watch(conn, limit_s):
+        row = conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()
+    return bool(row is not None and row[0])
+
+
+async def _getconn(store: PostgresStore, pool: Any) -> psycopg.Connection[Any]:
+    """A connection of `pool` within the store's timeout, waited for in a thread in steps of
+    GETCONN_STEP_S so that a store marked down meanwhile (the watchdog, the listener) is a 503 at once."""
+    deadline = time.monotonic() + store.timeout
+    while True:
+        if store.down:
+            raise StoreUnavailableError(f"database {store.path} is unreachable (reconnecting)")
+        step = min(GETCONN_STEP_S, max(0.01, deadline - time.monotonic()))
+        try:
+            conn: psycopg.Connection[Any] = await asyncio.to_thread(pool.getconn, step)
+            return conn
+        except PoolTimeout as exc:
+            if time.monotonic() >= deadline:
+                raise StoreUnavailableError(f"database {store.path}: {exc}") from None
+        except _DOWN as exc:
+            raise StoreUnavailableError(f"database {store.path}: {exc}") from None

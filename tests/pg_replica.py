@@ -23,7 +23,8 @@ class Replica:
 
     def __init__(self, url: str, log: Path, wait: bool = True, **extra_env: str) -> None:
         env = dict(os.environ, RECYCLE_CONTROLLER_TOKEN=TOKEN, PYTHONPATH=str(ROOT), RECYCLE_MAX_WAIT_S="30")
-        env.update(RECYCLE_PRECOMPUTE_TIME_LIMIT_S="1", RECYCLE_REFINE_TIME_LIMIT_S="1", **extra_env)
+        env.update(RECYCLE_PRECOMPUTE_TIME_LIMIT_S="1", RECYCLE_REFINE_TIME_LIMIT_S="1")
+        env.update(extra_env)
         cmd = [sys.executable, "-m", "api.cli", "--port", "0", "--database", url, "--no-access-log"]
         self.log = log
         with log.open("wb") as out:

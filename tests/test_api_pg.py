@@ -115,3 +115,34 @@ def test_the_store_is_unavailable_while_the_server_is_down_then_works_again(pg_s
         assert store.list_jobs() == []  # the pool reconnected
     finally:
         store.close()
+
+
+def test_the_postgres_scheme_is_taken_and_a_missing_database_is_one_line_and_exit_2(
+    pg_database: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    open_store(Settings(database_url=pg_database.replace("postgresql://", "postgres://", 1))).close()
+    code, err = _serve_here(pg_database.rsplit("/", 1)[0] + "/no_such_db", capsys, monkeypatch)
+    assert code == 2, err
+    (line,) = err.strip().splitlines()
+    assert (
+        line.startswith("error: --database: cannot connect")
+        and 'database "no_such_db" does not exist' in line
+    )
+
+
+def test_a_read_only_standby_is_unavailable_not_a_500(pg_database: str) -> None:
+    """After a failover the URL may reach a standby, read-only: writes are 503 (retry), never a 500."""
+    from api.store import PlanRecord
+    from api.store_pg import PostgresStore
+
+    store = PostgresStore(pg_database, Settings())
+    try:
+        with psycopg.connect(pg_database, autocommit=True) as conn:
+            db = conn.info.dbname
+            conn.execute(f'ALTER DATABASE "{db}" SET default_transaction_read_only = on')
+        store.reset_pool()  # new sessions: read-only
+        with pytest.raises(StoreUnavailableError, match="read-only"):
+            store.put_plan(PlanRecord("k", "{}", "greedy", 1.0))
+        assert store.list_jobs() == []  # reads still work
+    finally:
+        store.close()
