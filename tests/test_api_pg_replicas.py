@@ -144,6 +144,11 @@ def test_postgresql_restart_is_503_meanwhile_and_recovers_by_itself(
 ) -> None:
     a, b = replicas
     job_id, worker = create_job(a.base, JOB)
+    deadline = time.monotonic() + 5  # B learns of the job and its first version (NOTIFY) before the outage
+    url = f"{b.base}/v1/jobs/{job_id}/schedule?worker=0,0"
+    while httpx.get(url, headers=worker, timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "replica B never served the job's first version"
+        time.sleep(0.05)
     pg_server.stop()
     try:
         statuses = set()
