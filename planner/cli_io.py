@@ -21,8 +21,9 @@ def describe_validation_error(exc: ValidationError) -> str:
     """One line per problem, each naming the field path."""
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(document)"
-        lines.append(f"  {loc}: {err['msg']}")
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")  # our validators name their field first
+        lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
     return "\n".join(lines)
 
 

@@ -38,7 +38,9 @@ MAX_MICROBATCHES = 4096
 
 
 class _Doc(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    # NaN and Infinity (which Python's json reads) are refused in every number: no figure of the
+    # contract is infinite, and an infinite duration or capacity only turns into NaN downstream.
+    model_config = ConfigDict(extra="allow", populate_by_name=True, allow_inf_nan=False)
 
 
 class StageProfile(_Doc):
@@ -265,9 +267,8 @@ class FailureScenario(_Doc):
             slow_seen.add(tuple(sw.worker))
         return self
 
-    def check_against(self, job: JobSpec) -> None:
-        """Raise InvalidInputError for workers outside the job's grid, and
-        UnrecoverableScenarioError when some stage has no alive worker."""
+    def check_grid(self, job: JobSpec) -> None:
+        """Raise InvalidInputError for a failed or slow worker outside the job's grid."""
         d_max, p_max = job.num_pipelines, job.num_stages
         for label, workers in (("failed", self.failed), ("slow", [s.worker for s in self.slow])):
             for i, (d, s) in enumerate(workers):
@@ -276,6 +277,12 @@ class FailureScenario(_Doc):
                         f"{label}[{i}]: worker [{d}, {s}] is outside the job's grid "
                         f"({d_max} pipelines x {p_max} stages)"
                     )
+
+    def check_against(self, job: JobSpec) -> None:
+        """Raise InvalidInputError for workers outside the job's grid, and
+        UnrecoverableScenarioError when some stage has no alive worker."""
+        self.check_grid(job)
+        d_max = job.num_pipelines
         dead_per_stage: dict[int, int] = {}
         for _, s in self.failed:
             dead_per_stage[s] = dead_per_stage.get(s, 0) + 1

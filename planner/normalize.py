@@ -46,7 +46,11 @@ def _signatures(scenario: FailureScenario, num_pipelines: int) -> dict[int, Sign
 
 
 def normalize(job: JobSpec, scenario: FailureScenario) -> Normalized:
-    """Canonical form of `scenario`: pipelines with failures first (most failures first), then slow."""
+    """Canonical form of `scenario`: pipelines with failures first (most failures first), then slow.
+
+    Raises InvalidInputError for a worker outside the job's grid: it would otherwise drop out of
+    every pipeline's signature and the scenario would silently become failure-free."""
+    scenario.check_grid(job)
     sigs = _signatures(scenario, job.num_pipelines)
     # Sort key puts touched pipelines first; ties keep physical order, which is irrelevant to the key.
     order = sorted(range(job.num_pipelines), key=lambda d: (not sigs[d][0], not sigs[d][1], sigs[d], d))

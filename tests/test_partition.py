@@ -188,6 +188,22 @@ def _two_stage_job(capacity: list[float]) -> JobSpec:
     )  # fmt: skip
 
 
+def test_a_schedule_whose_partition_overfills_a_stage_breaks_the_memory_rule() -> None:
+    """Its layers' parameters and optimizer state exceed the stage's capacity: the validator says
+    INVALID [memory] (exit 4), not bad input (exit 2) as it did."""
+    job = JobSpec.model_validate(
+        _two_stage_job([100.0, 100.0]).model_dump(mode="json")
+        | {"layers": [dict.fromkeys(FIELDS, 1.0) | {"param_mib": 55.0, "optimizer_state_mib": 55.0}] * 4}
+    )
+    scenario = FailureScenario(failed=[(0, 1)])
+    rep = plan_repartition(job, scenario, use_cpsat=False)
+    sched = rep.result.schedule.model_copy(deep=True)
+    assert sched.__pydantic_extra__ is not None
+    sched.__pydantic_extra__["partition"] = [[0, 1], [1, 4]]  # stage 1: 100 + 220 - 330 < 0 MiB left
+    with pytest.raises(ScheduleRuleError, match=r"\[memory\] partition: memory_capacity_mib: stage 1"):
+        validate(job, scenario, sched)
+
+
 def test_capacity_no_partition_meets_names_the_stage() -> None:
     job = _two_stage_job([100.0, 1.0])  # stage 1 cannot hold one layer's 5 MiB of activations
     with pytest.raises(InvalidInputError, match=r"memory_capacity_mib: stage 1 \(1.0 MiB\) cannot hold"):

@@ -82,6 +82,37 @@ def test_bad_layer_input_exits_2_naming_it(tmp_path: Path, extra: dict[str, Any]
     assert message in out.stderr and "Traceback" not in out.stderr
 
 
+INF_LAYER = {"forward": 1.0, "backward_input": 1.0, "backward_weight": 1.0, "activation_mib": 1.0,
+             "weight_grad_mib": 1.0, "param_mib": float("inf")}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [  # Infinity / NaN (Python's json reads them) used to plan NaN times or crash with a traceback.
+        ({"layers": [INF_LAYER] * 6}, "layers[0].param_mib: Input should be a finite number"),
+        ({"memory_capacity_mib": [float("inf")] * 3}, "memory_capacity_mib.list[constrained-float].0: Input"),
+        ({"stages": [{**job_doc()["stages"][0], "forward": float("nan")}] * 3}, "stages.0.forward: Input"),
+    ],
+)
+def test_non_finite_numbers_exit_2_naming_the_field(
+    tmp_path: Path, extra: dict[str, Any], message: str
+) -> None:
+    job = write(tmp_path, job_doc(**extra))
+    for flags in ([], ["--repartition"]):
+        out = run("plan", job, "--fail", "0,1", "--no-cpsat", *flags)
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_partitioned_schedule_with_a_job_lacking_layers_exits_2(tmp_path: Path) -> None:
+    doc = job_doc()
+    del doc["model"]
+    sched = {"job": "tiny", "iteration_time_ms": 1.0, "workers": [], "partition": [[0, 2], [2, 4], [4, 6]]}
+    out = run("validate", write(tmp_path, doc), write(tmp_path, sched, "s.json"))
+    assert out.returncode == 2 and out.stderr.startswith("error: layers:"), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
 def test_bad_migration_bandwidth_and_schedule_partition_exit_2(tmp_path: Path) -> None:
     doc = job_doc()
     doc["comm"] = {**doc["comm"], "migration_mib_per_ms": 0}

@@ -15,6 +15,11 @@ from planner.errors import InvalidInputError
 from planner.partition.layers import LAYER_FIELDS, LayerModel, layer_model
 
 
+class PartitionMemoryError(InvalidInputError):
+    """A stage of a partition whose layers' parameters and optimizer state exceed its capacity (bad
+    input to the planner; a schedule carrying such a partition breaks the memory rule)."""
+
+
 def _ratio(model: LayerModel, s: int, a: int, b: int) -> float:
     a0, b0 = model.partition[s]
     old = sum(x.param_mib for x in model.layers[a0:b0])
@@ -54,7 +59,7 @@ def derive_job(job: JobSpec, partition: list[list[int]], model: LayerModel | Non
         allreduce.append(job.allreduce_ms(s) * _ratio(model, s, a, b))
         cap = stage_capacity(job, model, s, a, b)
         if cap is not None and cap < 0:
-            raise InvalidInputError(
+            raise PartitionMemoryError(
                 f"memory_capacity_mib: stage {s} cannot hold layers [{a}, {b}): their parameters and "
                 f"optimizer state exceed its capacity by {-cap:.1f} MiB"
             )

@@ -39,6 +39,8 @@ class Replay:
     k_iteration_ms: float  # (end of last OPT of iter K - end of last OPT of iter 1) / (K - 1)
     steady: SteadyState  # how the steady state was found
     last_opt_end_ms: list[float] = field(default_factory=list)  # per iteration K, end of its last OPT
+    # The same for every iteration replayed to find the steady state (at least num_iterations).
+    replayed_opt_end_ms: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -233,6 +235,7 @@ def _replay_layout(job: JobSpec, lay: Layout, num_iterations: int, with_memory: 
         busy_ms=busy,
         num_iterations=num_iterations,
         last_opt_end_ms=last_opt,
+        replayed_opt_end_ms=[max(x) for x in opt_ends],  # settle() extended opt_ends in place
         k_iteration_ms=k_time,
         steady=steady,
     )

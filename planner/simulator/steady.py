@@ -69,3 +69,40 @@ def settle(
     latest = [max(x) for x in history]
     estimate = (latest[-1] - latest[half - 1]) / (len(history) - half) if half >= 1 else 0.0
     return SteadyState(estimate, 0, len(history), False)
+
+
+def nearest_k_figure(latest: list[float], steady: SteadyState, claim: float) -> tuple[int, float] | None:
+    """(K, k_figure at K) with K >= 4 whose figure is nearest to `claim`, over every K: the replayed
+    ones, and past them (settled, period c, a = c * iteration_time_ms) the figure at
+    K = i + 1 + j*c is (E[i] + j*a - E[0]) / (i + j*c), whose nearest j is solved for."""
+    n, c = len(latest), steady.period
+    ks = set(range(4, n + 1))
+    if steady.settled and 0 < c < n:
+        a = c * steady.iteration_time_ms
+        for i in range(n - c, n):
+            denom = claim * c - a  # j * (claim*c - a) = E[i] - E[0] - claim*i
+            guess = (latest[i] - latest[0] - claim * i) / denom if denom else 0.0
+            if not 0 <= guess < 2**40:  # negative, inf or NaN (a claim equal to the limit)
+                guess = 0.0 if guess < 0 else 2.0**40
+            ks.update(i + 1 + j * c for j in (0, 1, int(guess), int(guess) + 1))
+    best: tuple[int, float] | None = None
+    for k in sorted(x for x in ks if x >= 4):
+        fig = k_figure(latest, steady, k)
+        if fig is not None and (best is None or abs(fig - claim) < abs(best[1] - claim)):
+            best = (k, fig)
+    return best
+
+
+def k_figure(latest: list[float], steady: SteadyState, k: int) -> float | None:
+    """The K-iteration figure (CONTRACT.md section 4) at `k` >= 2: `latest` holds the latest OPT end
+    of each iteration replayed; past them a settled replay repeats with its period c, shifted by
+    c * iteration_time_ms, so E[i + j*c] = E[i] + j*c*iteration_time_ms. None when `k` lies past an
+    unsettled replay."""
+    n, c = len(latest), steady.period
+    if k <= n:
+        return (latest[k - 1] - latest[0]) / (k - 1)
+    if not steady.settled or c <= 0 or n <= c:
+        return None
+    j, i = divmod(k - 1 - (n - c), c)  # iteration k-1 (0-based) = (n - c + i) + j*c
+    end = latest[n - c + i] + j * c * steady.iteration_time_ms
+    return (end - latest[0]) / (k - 1)

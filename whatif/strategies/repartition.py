@@ -35,6 +35,7 @@ def repartition_record(
     job: JobSpec, scenario: FailureScenario, exact: bool, time_limit: timedelta
 ) -> dict[str, Any]:
     """The cache record of `scenario` (canonical form): iteration time, partition, migration."""
+    scenario.check_grid(job)
     if exact:
         from planner.partition.choose import plan_repartition
 
