@@ -134,7 +134,7 @@ def to_markdown(rows: list[dict[str, object]]) -> str:
             f"{r['ratio_to_load_bound']:.4f}",
             r["memory_bound_ms"],
             f"{r['ratio_to_memory_bound']:.4f}",
-            r["source"] if r["source"] == "greedy" else f"cpsat ({r['cpsat_status']})",
+            f"{r['source']} ({r['cpsat_status']})" if r["cpsat_status"] else r["source"],
             f"{r['plan_s']:.2f}",
             r["peak_memory_mib"],
         ]

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 GAIN_THRESHOLD = 1e-3  # a schedule within 0.1% of the best bound is not worth a solve
 GOOD_ENOUGH = 5e-4  # the greedy portfolio stops within 0.05% of the best bound
+HOST_SEARCH_SHARE = 0.7  # share of the greedy budget kept for the host-map search (host_search.py)
 SMALL_OPS = 12_000  # up to this many ops per iteration the greedy simulates more iterations
 
 # Tried in order; stops early once a schedule meets the bound. Each differs in how eagerly deferred
@@ -243,6 +244,20 @@ def plan_greedy(
     return best
 
 
+def _search_hosts(best: Candidate, target_ms: float, budget_s: float) -> Candidate:
+    """`best`, or a better greedy schedule on a host map the local search finds (host_search.py)."""
+    from planner.adaptive.host_search import search_hosts
+
+    found = search_hosts(
+        best.problem,
+        best.schedule.iteration_time_ms,
+        target_ms * (1 + GOOD_ENOUGH),
+        budget_s,
+        num_iterations=4,
+    )
+    return best if found is None else Candidate(*found, "greedy-hosts")
+
+
 def plan(
     job: JobSpec,
     scenario: FailureScenario,
@@ -254,7 +269,8 @@ def plan(
 
     `time_limit` bounds CP-SAT (default RECYCLE_SOLVER_TIME_LIMIT_S). The greedy portfolio before it
     may keep trying policies, once the default policy has run on every host map, for
-    RECYCLE_GREEDY_BUDGET_S but never longer than `time_limit`; models above RECYCLE_CPSAT_MAX_OPS ops
+    RECYCLE_GREEDY_BUDGET_S but never longer than `time_limit` (sharing it with the host-map search,
+    docs/planner.md section 4b, whose time comes out of CP-SAT's); models above RECYCLE_CPSAT_MAX_OPS ops
     keep the greedy plan (planner/settings.py). Raises InvalidInputError / UnrecoverableScenarioError
     for bad input; never returns a schedule the simulator rejects.
     """
@@ -269,11 +285,16 @@ def plan(
     red = reduce_job(job, norm.scenario)  # plan on a reduced grid where the structure allows
     small = job if red is None else red.job
     variants = None if red is None else reduced_host_variants(red, norm.scenario)
+    budget_s = min(settings.greedy_budget, time_limit).total_seconds()
+    # Where the host-map search may run (after the portfolio), the portfolio gets its share of the budget.
+    # Not on large jobs: one greedy run takes seconds there, too few trials for a search to pay.
+    job_ops = 3 * job.num_pipelines * job.num_microbatches * job.num_stages
+    search = red is None and mb <= lb * (1 + 1e-9) and job_ops <= SMALL_OPS
     best = plan_greedy(
         small,
         norm.scenario,
         target_ms=mb,
-        budget_s=min(settings.greedy_budget, time_limit).total_seconds(),
+        budget_s=budget_s * (1 - HOST_SEARCH_SHARE) if search else budget_s,
         progress=progress,
         problems=variants,
     )
@@ -285,6 +306,14 @@ def plan(
                     continue
                 if cand.schedule.iteration_time_ms < best.schedule.iteration_time_ms - 1e-9:
                     best = cand
+    cpsat_limit = time_limit
+    if search and best.schedule.iteration_time_ms > mb * (1 + GAIN_THRESHOLD):
+        # Where memory binds (mb > lb) the search never paid. It spends what the portfolio left of the
+        # greedy budget (docs/planner.md section 4b).
+        t1 = time.perf_counter()
+        best = _search_hosts(best, mb, budget_s - (t1 - t0))
+        # Its time comes out of CP-SAT's (down to half): on these cases CP-SAT rarely gains.
+        cpsat_limit = max(time_limit / 2, time_limit - timedelta(seconds=time.perf_counter() - t1))
     greedy_s = time.perf_counter() - t0
     greedy_ms = best.schedule.iteration_time_ms
     source = best.label
@@ -294,7 +323,7 @@ def plan(
         if num_ops <= settings.cpsat_max_ops:
             from planner.adaptive.refine import refine_with_cpsat
 
-            improved, cpsat_info = refine_with_cpsat(best.problem, best.orders, time_limit, lb, mb, progress)
+            improved, cpsat_info = refine_with_cpsat(best.problem, best.orders, cpsat_limit, lb, mb, progress)
             if improved is not None and improved.iteration_time_ms < greedy_ms - 1e-9:
                 best, source = Candidate(best.problem, {}, improved, "cpsat"), "cpsat"
         else:

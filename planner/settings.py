@@ -29,7 +29,8 @@ class PlannerSettings(BaseSettings):
         default=10.0,
         ge=0,
         description="How long the greedy portfolio may try further policies, seconds (never longer than "
-        "the plan's time limit).",
+        "the plan's time limit); where the host-map search applies (docs/planner.md 4b) the portfolio gets "
+        "30% of it and the search the rest.",
     )
     cpsat_max_ops: int = Field(
         default=8000, ge=0, description="Largest model (ops per iteration) given to CP-SAT; larger: greedy."
