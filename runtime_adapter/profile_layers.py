@@ -61,11 +61,27 @@ def profile_layers(
     return out
 
 
+SCALED = ("forward", "backward_input", "backward_weight", "activation_mib", "weight_grad_mib")
+
+
 def with_layers(
     job_doc: dict[str, Any], training: Training, layers: list[dict[str, float]]
 ) -> dict[str, Any]:
-    """`job_doc` (a job spec as JSON) with `layers` and the runtime's `partition` added."""
+    """`job_doc` (a job spec as JSON) with `layers` and the runtime's `partition` added.
+
+    The layers were measured one per stage, the stages as a whole: separate timings of the same
+    work, which differ (fused kernels, per-op overhead, a loaded machine). The per-layer figures are
+    taken as the split and the stage figures as the totals: each stage's layers are scaled so their
+    sum equals its stage figure (time and activation fields; parameter and optimizer bytes are exact
+    already), so the stage extras (docs/contract.md 1b) are zero and moving a layer moves exactly
+    its share of the measured stage."""
     ranges = training.layer_ranges
     assert ranges is not None
     home = ranges.home(int(job_doc["num_stages"]))
-    return {**job_doc, "layers": layers, "partition": [[r.start, r.stop] for r in home]}
+    scaled = [dict(x) for x in layers]
+    for stage, r in zip(job_doc["stages"], home, strict=True):
+        for f in SCALED:
+            total = sum(layers[i][f] for i in r)
+            for i in r:
+                scaled[i][f] = stage[f] * layers[i][f] / total if total > 0 else stage[f] / len(r)
+    return {**job_doc, "layers": scaled, "partition": [[r.start, r.stop] for r in home]}

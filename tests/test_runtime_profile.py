@@ -98,6 +98,9 @@ def test_cli_layers_writes_layers_and_partition(tmp_path: Path, capsys: pytest.C
     layers = job.layer_profiles()
     assert job.partition_ranges() == [[0, 2], [2, 4]]
     assert layers is not None and len(layers) == 4 and all(x.param_mib > 0 for x in layers)
+    for stage, (a, b) in zip(job.stages, [[0, 2], [2, 4]], strict=True):  # layers scaled to the stage totals
+        for f in ("forward", "backward_input", "backward_weight", "activation_mib", "weight_grad_mib"):
+            assert sum(getattr(x, f) for x in layers[a:b]) == pytest.approx(getattr(stage, f))
 
 
 @pytest.mark.parametrize(
