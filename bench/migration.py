@@ -47,7 +47,7 @@ def partitioned_schedules(job: JobSpec, moved: dict[frozenset[Worker], list[list
         if part is None:
             return plan(job, scenario, use_cpsat=False).schedule
         doc = plan(derive_job(job, part), scenario, use_cpsat=False).schedule.model_dump(mode="json")
-        doc.update(partition=part, migration=migration(job, part).model_dump(mode="json"))
+        doc.update(partition=part, migration=migration(job, part, scenario=scenario).model_dump(mode="json"))
         return Schedule.model_validate(doc)
 
     return schedule_for
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     hop_ms = measure_hop_ms((1 << 20,))  # 4 MiB of float32 between two gloo ranks on loopback
     bandwidth = 4.0 / hop_ms
     job = with_layers(tiny_job(2, 2, 2), training(**asdict(cfg)), optimizer_copies=1, mib_per_ms=bandwidth)
-    estimate = migration(job, MOVED[frozenset({VICTIM})])
+    estimate = migration(job, MOVED[frozenset({VICTIM})], scenario=FailureScenario(failed=[VICTIM]))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         launcher = launch_move_and_back(out, job, asdict(cfg), args.iterations, MOVED)
