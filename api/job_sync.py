@@ -105,6 +105,7 @@ class SharedHeartbeats:
             log.warning("heartbeats not shared: %s", exc)
             return
         self._published.update(fresh)
+        self._prune()
         self._read_until = wall
         failed: dict[str, set[tuple[int, int]]] = {}
         for job_id, d, s, t in seen_rows:
@@ -119,6 +120,14 @@ class SharedHeartbeats:
             arrival = now - (wall - t)
             if arrival > rt.last_seen.get(w, float("-inf")):
                 rt.last_seen[w] = self._published[(job_id, w)] = arrival
+
+    def _prune(self) -> None:
+        """Forget what was published for workers no longer tracked (failed, done, or of a job gone),
+        so the map stays as large as the heartbeats held in memory."""
+        jobs = self.service.jobs
+        stale = [k for k in self._published if k[0] not in jobs or k[1] not in jobs[k[0]].last_seen]
+        for k in stale:
+            del self._published[k]
 
     def _exchange(
         self, rows: list[tuple[str, int, int, float]], since: float

@@ -274,3 +274,18 @@ def test_a_hung_server_is_503_within_seconds_and_never_stalls_the_polls(
         assert r.status_code == 503 and time.monotonic() < deadline, r.text
         time.sleep(0.2)
     assert r.json()["version"] == 2
+
+
+def test_published_arrivals_are_forgotten_with_the_worker() -> None:
+    """SharedHeartbeats keeps what it published only for workers still tracked in memory: a failed
+    or finished worker (dropped from last_seen) or a job gone leaves no entry behind."""
+    from types import SimpleNamespace
+
+    from api.job_sync import SharedHeartbeats
+
+    tracked = SimpleNamespace(last_seen={(0, 0): 1.0})
+    service = SimpleNamespace(jobs={"a": tracked})
+    beats = SharedHeartbeats(service)  # type: ignore[arg-type]
+    beats._published.update({("a", (0, 0)): 1.0, ("a", (1, 0)): 2.0, ("gone", (0, 0)): 3.0})
+    beats._prune()
+    assert beats._published == {("a", (0, 0)): 1.0}
