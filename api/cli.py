@@ -174,6 +174,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     from api.main import create_app
     from api.settings import Settings
+    from planner.errors import InvalidInputError
+    from planner.settings import load_settings
 
     overrides: dict[str, object] = {}
     if args.data_dir:
@@ -182,10 +184,10 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["insecure_dev"] = True
     if args.database:
         overrides["database_url"] = args.database
-    settings = Settings(**overrides)  # type: ignore[arg-type]
     try:
+        settings = load_settings(Settings, **overrides)
         settings.check_startable()
-    except RuntimeError as exc:
+    except (InvalidInputError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INPUT
     from api.metrics import MULTIPROC_ENV, multiproc_dir

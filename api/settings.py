@@ -12,13 +12,15 @@ from functools import lru_cache
 from pathlib import Path
 
 from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings
+
+from planner.settings import SETTINGS_CONFIG
 
 
 class Settings(BaseSettings):
     """Everything an operator can set; env var = RECYCLE_ + upper-case field name."""
 
-    model_config = SettingsConfigDict(env_prefix="RECYCLE_", extra="ignore")
+    model_config = SETTINGS_CONFIG
 
     data_dir: Path = Field(default=Path("recycle-data"), description="Directory of the SQLite store.")
     database_url: SecretStr | None = Field(

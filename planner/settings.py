@@ -17,10 +17,15 @@ from planner.errors import InvalidInputError
 S = TypeVar("S", bound=BaseSettings)
 
 
+# Every settings class reads RECYCLE_* and refuses NaN and Infinity (a timeout of "inf" would
+# silently switch a check off).
+SETTINGS_CONFIG = SettingsConfigDict(env_prefix="RECYCLE_", extra="ignore", allow_inf_nan=False)
+
+
 class PlannerSettings(BaseSettings):
     """Planner limits; env var = RECYCLE_ + upper-case field name."""
 
-    model_config = SettingsConfigDict(env_prefix="RECYCLE_", extra="ignore")
+    model_config = SETTINGS_CONFIG
 
     solver_time_limit_s: float = Field(
         default=10.0, gt=0, description="Default CP-SAT time limit of library calls to plan(), seconds."
@@ -57,10 +62,11 @@ def planner_settings() -> PlannerSettings:
     return load_settings(PlannerSettings)
 
 
-def load_settings(cls: type[S]) -> S:
-    """`cls()` from the environment; a bad value is an InvalidInputError naming the variable."""
+def load_settings(cls: type[S], **overrides: object) -> S:
+    """`cls(**overrides)`, the rest from the environment; a bad value is an InvalidInputError naming
+    the variable (or the field an override set)."""
     try:
-        return cls()
+        return cls(**overrides)  # type: ignore[arg-type]  # field values, checked by the model
     except ValidationError as exc:
         prefix = str(cls.model_config.get("env_prefix", "")).upper()
         problems = "; ".join(

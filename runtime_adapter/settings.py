@@ -10,15 +10,15 @@ from __future__ import annotations
 from datetime import timedelta
 
 from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings
 
-from planner.settings import load_settings
+from planner.settings import SETTINGS_CONFIG, load_settings
 
 
 class RuntimeSettings(BaseSettings):
     """Worker and launcher waits; env var = RECYCLE_ + upper-case field name."""
 
-    model_config = SettingsConfigDict(env_prefix="RECYCLE_", extra="ignore")
+    model_config = SETTINGS_CONFIG
 
     version_wait_s: float = Field(
         default=60.0, gt=0, description="How long a worker waits for a newer schedule version, seconds."

@@ -38,6 +38,26 @@ def test_serve_refuses_without_token(tmp_path: Path) -> None:
     assert r.returncode == 2 and "RECYCLE_CONTROLLER_TOKEN" in r.stderr
 
 
+@pytest.mark.parametrize(
+    "var",
+    ["RECYCLE_HEARTBEAT_TIMEOUT_S=inf", "RECYCLE_DATABASE_POOL_SIZE=nan", "RECYCLE_DATABASE_TIMEOUT_S=1e999"],
+)
+def test_serve_refuses_a_bad_setting_in_one_line(tmp_path: Path, var: str) -> None:
+    name, _, value = var.partition("=")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "RECYCLE_CONTROLLER_TOKEN": "t" * 20}
+    env[name] = value
+    r = subprocess.run(
+        [sys.executable, "-m", "api.cli", "--data-dir", str(tmp_path), "--port", "0"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 2 and name in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1
+
+
 def test_serve_parser_flags() -> None:
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))
