@@ -80,10 +80,12 @@ def _extra_error(field: str, exc: ValidationError) -> ValueError:
 
 
 def check_partition(
-    value: object, num_layers: int, num_stages: int, field: str = "partition"
+    value: object, num_layers: int, num_stages: int, field: str = "partition", allow_empty: bool = False
 ) -> list[list[int]]:
     """Validate a layer-to-stage map: P half-open ranges covering 0..num_layers-1 contiguously, each
-    stage holding >= 1 layer. Raises InvalidInputError naming the layer or stage."""
+    stage holding >= 1 layer, or, with `allow_empty` (a schedule's partition, a derived job's), >= 0
+    (an empty range [a, a]: the stage runs only its extras). Raises InvalidInputError naming the
+    layer or stage."""
     if not isinstance(value, list) or len(value) != num_stages:
         got = len(value) if isinstance(value, list) else type(value).__name__
         raise InvalidInputError(f"{field}: needs {num_stages} ranges (one per stage), got {got}")
@@ -93,8 +95,12 @@ def check_partition(
         if not ok or not all(isinstance(x, int) and not isinstance(x, bool) for x in r):
             raise InvalidInputError(f"{field}: stage {s}: needs a range [first, end), got {r!r}")
         a, b = int(r[0]), int(r[1])
-        if b <= a:
+        if b < a:
+            raise InvalidInputError(f"{field}: stage {s}: range [{a}, {b}) ends before it starts")
+        if b == a and not allow_empty:
             raise InvalidInputError(f"{field}: stage {s} holds no layer ([{a}, {b}))")
+        if b == a and not 0 <= a <= num_layers:
+            raise InvalidInputError(f"{field}: stage {s}: empty range [{a}, {b}) is outside 0..{num_layers}")
         if a < 0 or b > num_layers:
             bad = a if a < 0 else b - 1
             raise InvalidInputError(f"{field}: layer {bad} of stage {s} is outside 0..{num_layers - 1}")
@@ -200,7 +206,9 @@ class JobSpec(_Doc):
             if n is None:
                 raise ValueError("partition: needs `layers` or `model.layers` (how many layers there are)")
             try:
-                extra["partition"] = check_partition(part, n, self.num_stages)
+                # A stage may hold no layer only beside given per-layer figures (a derived job of
+                # planner.partition): with derived ones, 0 layers cannot share a stage's figures.
+                extra["partition"] = check_partition(part, n, self.num_stages, allow_empty=layers is not None)
             except InvalidInputError as exc:
                 raise ValueError(str(exc)) from None
         elif layers is not None and len(layers) < self.num_stages:
@@ -363,14 +371,16 @@ class Schedule(_Doc):
 
     @model_validator(mode="after")
     def _check_partition(self) -> Schedule:
-        """Optional issue-12 extras: `partition` (checked against the job by planner.partition) and
-        `migration` ({"moves": [...], "mib", "estimated_ms"})."""
+        """Optional issue-12 extras: `partition` (checked against the job by planner.partition; a
+        stage may hold no layer, an empty range [a, a]) and `migration` ({"moves": [...], "mib",
+        "estimated_ms"})."""
         extra = self.__pydantic_extra__ or {}
         part = extra.get("partition")
         if part is not None:
             ends = [r[1] for r in part if isinstance(r, list | tuple) and len(r) == 2]
             n = max((e for e in ends if isinstance(e, int)), default=0)
-            extra["partition"] = check_partition(part, n, len(part) if isinstance(part, list) else 0)
+            num_stages = len(part) if isinstance(part, list) else 0
+            extra["partition"] = check_partition(part, n, num_stages, allow_empty=True)
         mig = extra.get("migration")
         if mig is not None:
             try:

@@ -22,10 +22,12 @@ FIELDS = ("forward", "backward_input", "backward_weight", "activation_mib", "wei
 
 
 @st.composite
-def compositions(draw: st.DrawFn, num_layers: int, num_stages: int) -> list[list[int]]:
-    """A random contiguous split of num_layers layers into num_stages non-empty ranges."""
-    cuts = sorted(draw(st.lists(st.integers(1, num_layers - 1), min_size=num_stages - 1,
-                                max_size=num_stages - 1, unique=True)))  # fmt: skip
+def compositions(draw: st.DrawFn, num_layers: int, num_stages: int, empty: bool = False) -> list[list[int]]:
+    """A random contiguous split of num_layers layers into num_stages ranges, non-empty unless
+    `empty` (then a stage may hold no layer, as a schedule's partition may)."""
+    lo, hi = (0, num_layers) if empty else (1, num_layers - 1)
+    cuts = sorted(draw(st.lists(st.integers(lo, hi), min_size=num_stages - 1,
+                                max_size=num_stages - 1, unique=not empty)))  # fmt: skip
     bounds = [0, *cuts, num_layers]
     return [[bounds[i], bounds[i + 1]] for i in range(num_stages)]
 
@@ -65,7 +67,7 @@ def _total(job: JobSpec, field: str) -> float:
 def test_derive_job_conserves_work_and_memory(data: st.DataObject) -> None:
     job = data.draw(layered_jobs())
     model = layer_model(job)
-    part = data.draw(compositions(model.num_layers, job.num_stages))
+    part = data.draw(compositions(model.num_layers, job.num_stages, empty=True))
     try:
         derived = derive_job(job, part)
     except InvalidInputError as exc:  # the layers' state does not fit: named, and really over
@@ -78,6 +80,7 @@ def test_derive_job_conserves_work_and_memory(data: st.DataObject) -> None:
         total = sum(job.capacity_mib(s) for s in range(job.num_stages))  # type: ignore[misc]
         assert sum(caps) == pytest.approx(total)  # type: ignore[arg-type]
     assert derive_job(derived, part) is derived  # its own partition: unchanged
+    assert JobSpec.model_validate_json(derived.model_dump_json()) == derived  # a job spec, round trip
     assert derive_job(job, model.partition) is job
     mig = migration(job, part)
     assert (mig.mib == 0) == (part == model.partition or model.resident_mib(0, model.num_layers) == 0)
@@ -93,13 +96,14 @@ def test_search_is_exact_and_no_worse_than_the_job_partition(data: st.DataObject
     best, found = best_partition(costs)
     own = partition_bound(costs, model.partition)
     assert best <= own * (1 + 1e-9)
-    brute = float("inf")
-    for cuts in itertools.combinations(range(1, model.num_layers), job.num_stages - 1):
+    brute = float("inf")  # every split, stages with no layer included
+    for cuts in itertools.combinations_with_replacement(range(model.num_layers + 1), job.num_stages - 1):
         b = [0, *cuts, model.num_layers]
         brute = min(brute, partition_bound(costs, [[b[i], b[i + 1]] for i in range(job.num_stages)]))
     assert best == pytest.approx(brute)
     if found is not None:
         assert load_bound(derive_job(job, found), scenario) == pytest.approx(best)
+        assert partition_bound(costs, found) == pytest.approx(best)
 
 
 @pytest.mark.timeout(60)
@@ -159,9 +163,9 @@ def test_bad_maps_are_refused_naming_the_layer_or_stage(data: st.DataObject) -> 
             return
         part[s + 1][0] += 1
         match = f"partition: layer {part[s + 1][0] - 1} is held by no stage"
-    else:
-        part[s] = [part[s][0], part[s][0]]
-        match = f"partition: stage {s} holds no layer"
+    else:  # a range ending before it starts; an empty one is a schedule's right (test_partition_empty)
+        part[s] = [part[s][0], part[s][0] - 1]
+        match = rf"partition: stage {s}: range \[{part[s][0]}, {part[s][1]}\) ends before it starts"
     with pytest.raises(InvalidInputError, match=match):
         derive_job(job, part)
     with pytest.raises(ValueError, match=match):
@@ -205,9 +209,13 @@ def test_a_schedule_whose_partition_overfills_a_stage_breaks_the_memory_rule() -
 
 
 def test_capacity_no_partition_meets_names_the_stage() -> None:
-    job = _two_stage_job([100.0, 1.0])  # stage 1 cannot hold one layer's 5 MiB of activations
-    with pytest.raises(InvalidInputError, match=r"memory_capacity_mib: stage 1 \(1.0 MiB\) cannot hold"):
+    job = _two_stage_job([1.0, 1.0])  # no stage can hold one layer's 5 MiB of activations
+    with pytest.raises(InvalidInputError, match=r"memory_capacity_mib: stage 0 \(1.0 MiB\) cannot hold"):
         plan_repartition(job, FailureScenario(failed=[(0, 0)]), use_cpsat=False)
+    job = _two_stage_job([100.0, 1.0])  # stage 1 cannot: it holds none, stage 0 all four
+    rep = plan_repartition(job, FailureScenario(failed=[(0, 0)]), use_cpsat=False)
+    assert rep.partition == [[0, 4], [4, 4]] and "does not fit in memory" in rep.note
+    validate(job, FailureScenario(failed=[(0, 0)]), rep.result.schedule)
 
 
 def test_a_split_that_fits_where_the_job_partition_does_not() -> None:
@@ -225,7 +233,7 @@ def test_migration_estimate_is_what_the_busiest_sender_sends(data: st.DataObject
     sends the copies of its stage's failed pipelines too, so a failure at the source multiplies."""
     job = data.draw(layered_jobs())
     model = layer_model(job)
-    part = data.draw(compositions(model.num_layers, job.num_stages))
+    part = data.draw(compositions(model.num_layers, job.num_stages, empty=True))
     scenario = data.draw(recoverable_scenarios(job))
     mig = migration(job, part, model, scenario=scenario)
     given_by: dict[int, float] = {}

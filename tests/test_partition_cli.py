@@ -119,6 +119,6 @@ def test_bad_migration_bandwidth_and_schedule_partition_exit_2(tmp_path: Path) -
     out = run("plan", write(tmp_path, doc), "--repartition")
     assert out.returncode == 2 and "comm.migration_mib_per_ms: must be a positive finite number" in out.stderr
     job = write(tmp_path, job_doc())
-    sched = {"job": "tiny", "iteration_time_ms": 1.0, "workers": [], "partition": [[0, 2], [2, 2], [2, 6]]}
+    sched = {"job": "tiny", "iteration_time_ms": 1.0, "workers": [], "partition": [[0, 2], [2, 1], [1, 6]]}
     bad = run("validate", job, write(tmp_path, sched, "s.json"))
-    assert bad.returncode == 2 and "partition: stage 1 holds no layer" in bad.stderr
+    assert bad.returncode == 2 and "partition: stage 1: range [2, 1) ends before it starts" in bad.stderr

@@ -20,7 +20,8 @@ def plan_with_repartition(
 
 
 def _ranges(partition: list[list[int]]) -> str:
-    return " ".join(f"{s}:[{a},{b})" for s, (a, b) in enumerate(partition))
+    """`0:[0,5) 1:[5,5)=none ...`: a stage with no layer only passes activations through."""
+    return " ".join(f"{s}:[{a},{b})" + ("=none" if a == b else "") for s, (a, b) in enumerate(partition))
 
 
 def _reroute(fig: dict[str, Any]) -> str:

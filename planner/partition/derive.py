@@ -6,6 +6,10 @@ extras (what the job's stage s has beyond its own layers) plus the sum of the he
 optimizer time and all-reduce scale with the parameters it holds (their param_mib; the layer count
 when no layer has any); its memory capacity for activations is the job's, minus the parameters and
 optimizer state of layers it gained, plus those of layers it gave away.
+
+A stage may hold no layer (an empty range [a, a], issue 12 follow-up): it keeps only its extras (0
+for derived per-layer figures: F/B/W/OPT of zero duration, no all-reduce), and activations and
+gradients still pass through its workers, one hop each way.
 """
 
 from __future__ import annotations
@@ -25,7 +29,14 @@ def _ratio(model: LayerModel, s: int, a: int, b: int) -> float:
     old = sum(x.param_mib for x in model.layers[a0:b0])
     if old > 0:
         return sum(x.param_mib for x in model.layers[a:b]) / old
-    return (b - a) / (b0 - a0)
+    if b0 > a0:
+        return (b - a) / (b0 - a0)
+    if b > a:  # a derived job's empty stage: its optimizer and all-reduce have no per-layer scale
+        raise InvalidInputError(
+            f"partition: stage {s} holds no layer in the job's partition, so its optimizer and "
+            f"all-reduce times cannot be scaled to layers [{a}, {b}); derive from the original job"
+        )
+    return 0.0
 
 
 def stage_profile(job: JobSpec, model: LayerModel, s: int, a: int, b: int) -> StageProfile:
@@ -50,7 +61,7 @@ def derive_job(job: JobSpec, partition: list[list[int]], model: LayerModel | Non
     is its own). InvalidInputError for a bad map, or a stage whose layers' parameters and optimizer
     state leave it no memory for activations."""
     model = model or layer_model(job)
-    partition = check_partition(partition, model.num_layers, job.num_stages)
+    partition = check_partition(partition, model.num_layers, job.num_stages, allow_empty=True)
     if partition == model.partition:
         return job
     stages, caps, allreduce = [], [], []
@@ -69,6 +80,8 @@ def derive_job(job: JobSpec, partition: list[list[int]], model: LayerModel | Non
     data["comm"]["allreduce_ms"] = allreduce
     data["memory_capacity_mib"] = None if job.memory_capacity_mib is None else caps
     data["partition"] = partition
+    if any(b == a for a, b in partition):  # a job spec leaves a stage empty only beside given layers
+        data["layers"] = [x.model_dump(mode="json") for x in model.layers]
     return JobSpec.model_validate(data)
 
 

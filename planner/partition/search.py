@@ -5,8 +5,9 @@ allocates them depends only on who is alive and slow, not on the stage's work. S
 stage s holding layers [a, b) is max over its peers d of c_d*f_d*work(a, b) + allreduce(a, b) +
 optimizer(a, b)*f_d (planner/partition/derive.py gives the figures), and the bound of a partition
 is the largest over its stages. A DP over the split points finds the least such bound over all
-partitions (each stage >= 1 layer, holding at least one micro-batch's activations within its
-memory capacity); a second DP finds, under a bound threshold, the partition that moves the fewest
+partitions (each stage >= 0 layers: a stage may hand all its layers to its neighbours and run only
+its extras; each holding at least one micro-batch's activations within its memory capacity); a
+second DP finds, under a bound threshold, the partition that moves the fewest
 layers from the job's own.
 """
 
@@ -34,20 +35,24 @@ def _ratios(model: LayerModel, s: int, a_idx: np.ndarray, b_idx: np.ndarray) -> 
     params = _prefix([x.param_mib for x in model.layers])
     if params[b0] - params[a0] > 0:
         return (params[b_idx] - params[a_idx]) / (params[b0] - params[a0])
-    return (b_idx - a_idx) / (b0 - a0)
+    if b0 > a0:
+        return (b_idx - a_idx) / (b0 - a0)
+    return np.zeros(a_idx.shape)  # an empty stage of a derived job: stage_costs keeps it empty
 
 
 def stage_costs(job: JobSpec, model: LayerModel, scenario: FailureScenario) -> list[np.ndarray]:
-    """Per stage s, the L+1 x L+1 matrix of its load bound holding layers [a, b) (inf where a >= b or
-    the layers leave no room for one micro-batch's activations)."""
+    """Per stage s, the L+1 x L+1 matrix of its load bound holding layers [a, b) (inf where a > b or
+    the layers leave no room for one micro-batch's activations; a == b is the empty stage, which
+    runs only its extras)."""
     n = model.num_layers
     work = _prefix([x.forward + x.backward_input + x.backward_weight for x in model.layers])
     act = _prefix([x.activation_mib for x in model.layers])
     a_idx, b_idx = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
-    valid = b_idx > a_idx
+    valid = b_idx >= a_idx
     out = []
     for s in range(job.num_stages):
         ex = model.extras[s]
+        a0, b0 = model.partition[s]
         w = ex["forward"] + ex["backward_input"] + ex["backward_weight"] + work[b_idx] - work[a_idx]
         ratio = _ratios(model, s, a_idx, b_idx)
         ar, opt = job.allreduce_ms(s) * ratio, job.stages[s].optimizer * ratio
@@ -56,9 +61,8 @@ def stage_costs(job: JobSpec, model: LayerModel, scenario: FailureScenario) -> l
             (c * scenario.slow_factor((d, s)), scenario.slow_factor((d, s))) for d, c in alloc.counts.items()
         }
         cost = np.max([cf * w + ar + opt * f for cf, f in pairs], axis=0)
-        ok = valid.copy()
+        ok = valid & (b_idx == a_idx) if b0 == a0 else valid.copy()  # no per-layer scale: stays empty
         if job.capacity_mib(s) is not None:
-            a0, b0 = model.partition[s]
             res = _prefix([x.param_mib + x.optimizer_state_mib for x in model.layers])
             cap = job.capacity_mib(s) + (res[b0] - res[a0]) - (res[b_idx] - res[a_idx])  # type: ignore[operator]
             ok &= cap >= ex["activation_mib"] + act[b_idx] - act[a_idx] - 1e-9
@@ -111,9 +115,12 @@ def partition_bound(costs: list[np.ndarray], partition: list[list[int]]) -> floa
 
 
 def unmeetable_stage(costs: list[np.ndarray], job: JobSpec) -> InvalidInputError:
-    """The one-line error when no partition fits every stage's memory, naming a stage that cannot."""
+    """The one-line error when no partition fits every stage's memory, naming a stage that cannot
+    hold even one layer (each may hold none, so that is not by itself the reason)."""
+    n = costs[0].shape[0] - 1
+    a_idx, b_idx = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
     for s, c in enumerate(costs):
-        if not np.isfinite(c).any():
+        if not np.isfinite(c[b_idx > a_idx]).any():
             cap = job.capacity_mib(s)
             return InvalidInputError(
                 f"memory_capacity_mib: stage {s} ({cap} MiB) cannot hold even one layer's parameters, "

@@ -2,10 +2,12 @@
 
 The grid stays (every survivor keeps its pipeline and stage); planner.partition chooses which
 contiguous layers each stage holds, the same in every pipeline, then the re-routed schedule for
-that split (planner/partition/choose.py). Exact (the default): planned, greedy only, the record
-kept in the plan cache under `repartition/`. Not exact (`recycle simulate` without --exact): the
-memory-aware bound of the best candidate split, or of the job's own when that is no worse, labelled
-`estimated` (the same estimate recycle takes, whatif/estimate.py).
+that split (planner/partition/choose.py); a stage left few survivors may hand all its layers to
+its neighbours. Exact (the default): planned, greedy only, the record kept in the plan cache under
+`repartition/` (records carry RECORD_VERSION; older ones are re-done). Not exact (`recycle
+simulate` without --exact): the memory-aware bound of the best candidate split, or of the job's
+own when that is no worse, labelled `estimated` (the same estimate recycle takes,
+whatif/estimate.py).
 
 Each change of the failure set stalls reroute_s plus the migration to the new split: the MiB of
 parameters and optimizer state of every layer whose stage changes (relative to the split in effect
@@ -29,6 +31,7 @@ from whatif.cache import PlanCache
 from whatif.strategies.base import Costs, Outcome, Strategy, lost_stages
 
 KIND = "repartition"
+RECORD_VERSION = 2  # 2: a stage may hold no layer; records without it (each stage >= 1) are re-done
 
 
 def repartition_record(
@@ -100,11 +103,12 @@ class RecycleRepartition(Strategy):
         key = normalize(self.job, scenario).key
         kind = KIND if self.exact else KIND + "-estimate"
         rec = self.cache.get(key, kind=kind)
-        if rec is None:
+        if rec is None or rec.get("version") != RECORD_VERSION:
             try:
                 rec = repartition_record(self.job, scenario, self.exact, self.time_limit)
             except InvalidInputError as exc:
                 rec = {"fatal": str(exc)}
+            rec["version"] = RECORD_VERSION
             self.cache.put(key, rec, kind=kind)
         if "fatal" in rec:
             return Outcome(None, str(rec["fatal"]))
