@@ -12,6 +12,11 @@ matched: comm.py); the stage all-reduce on `groups.device` (the CUDA device unde
 The pre-step state of the last step is kept so that a failure can roll the stage back and replay the
 iteration (see worker.py).
 
+A stage without parameters (a middle stage a re-partition left without a layer: migration.py) runs
+the same ops: F returns its input tensor itself (the identity), B hands the output gradient back as
+the input gradient, W has nothing to compute, the stage all-reduce carries only the counts, the
+optimizer is `training.NoParameters` (torch optimizers refuse an empty parameter list).
+
 The step becomes visible to the peers with the gradient all-reduce: once any peer's all-reduce returns,
 every peer has contributed and the peers step (with global-norm clipping, once the norm exchange that
 follows has returned too: every alive worker has then reached its OPT). `before_step` runs right before
@@ -40,7 +45,7 @@ from runtime_adapter.comm import Groups, Interrupted
 from runtime_adapter.grad_sum import GradSum
 from runtime_adapter.lowering import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Instr, Program, lower
 from runtime_adapter.stage import StageRunner
-from runtime_adapter.training import apply_lr, clip_gradients
+from runtime_adapter.training import apply_lr, build_optimizer, clip_gradients
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +86,7 @@ class Executor:
         self.module, self.runner, self.worker = module, runner, worker
         self.num_pipelines, self.num_microbatches = num_pipelines, num_microbatches
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.optimizer = runner.training.optimizer(self.params)
+        self.optimizer = build_optimizer(runner.training, self.params)
         self.base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         self.grad_sum = GradSum(self.params, runner.training.exact_sums)
         self.fault, self.before_step = fault, before_step
@@ -185,7 +190,7 @@ class Executor:
         parameters: state}, as `optimizer_state` gives it); no rollback."""
         self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.optimizer = self.runner.training.optimizer(self.params)
+        self.optimizer = build_optimizer(self.runner.training, self.params)
         self.base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         if optim_state:
             position = _position(self.params, self.optimizer)
@@ -312,7 +317,7 @@ class _IterationRun:
         elif kind == "BW":
             out, grad = self.outputs.pop(mb), self.out_grads.pop(mb, None)
             inp = self.inputs.pop(mb, None)
-            torch.autograd.backward([out], None if grad is None else [grad])
+            _backward(out, grad)
             if inp is not None:
                 self.in_grads[mb] = inp.grad
             self._count(mb)
@@ -347,7 +352,7 @@ class _IterationRun:
     def _backward_weight(self, mb: MicroBatch) -> None:
         if self.ex.runner.is_first:
             out, grad = self.outputs.pop(mb), self.out_grads.pop(mb, None)
-            torch.autograd.backward([out], None if grad is None else [grad])
+            _backward(out, grad)
         else:
             self.outputs.pop(mb)
             stage_backward_weight(iter(self.ex.params), self.param_groups.pop(mb))
@@ -357,6 +362,14 @@ class _IterationRun:
         """Micro-batch `mb`'s backward is complete: move its gradients into the float64 sums."""
         self.ex.grad_sum.add()
         self.counts[mb[0] * self.ex.num_microbatches + mb[1]] += 1
+
+
+def _backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """The whole backward of a stage output. An output without a graph is skipped: stage 0 without
+    a layer or an embedding (an empty stage of a re-partition) passes its data through; a middle
+    stage without a layer returns its input itself, a leaf whose backward just sets its `.grad`."""
+    if out.requires_grad or out.grad_fn is not None:
+        torch.autograd.backward([out], None if grad is None else [grad])
 
 
 def _position(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> list[int]:

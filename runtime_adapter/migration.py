@@ -21,6 +21,14 @@ rollback, so every module is at the same stepped count k):
    workers really hold. (A death inside the final all-reduce can let some workers switch and not
    others; the next version's all-gather sees exactly that.)
 
+A partition may leave a stage no layer (an empty range [a, a): a stage short of workers hands all its
+layers to its neighbours). Its module is then `LayerRanges.build` of the empty range: the stage's
+extras alone (embedding, head), or the identity for a middle stage, whose workers only pass
+activations forward and gradients back; it has no parameters, an empty all-reduce apart from the
+counts and the `training.NoParameters` optimizer; it sends everything and receives nothing, and on the
+way back receives everything. Two empty ranges compare equal (range semantics): moving an empty
+stage's position moves nothing.
+
 The stage all-reduce groups need nothing: they are per stage and per version, and after the migration
 every worker of a stage holds the same layers. A fresh re-joiner builds its module for the new range
 (`reshape`) and then takes its peers' state as on every re-join. Training without `layer_ranges`
@@ -146,6 +154,8 @@ class Migrator:
         part = self.partition(a)
         if part is not None and part[self.stage] != self.layers:
             self._adopt(part[self.stage], {}, {}, keep=False)
+        elif part is not None:
+            self.layers = part[self.stage]  # the same module (an empty range at another index)
 
     def reshape_home(self) -> None:
         """Put the module back on its stage's own layers, without state (a restore loads next)."""
@@ -185,7 +195,8 @@ class Migrator:
         t_agreed = time.perf_counter()
         if ready is not None:
             self.ex.adopt(*ready)
-            self.layers = after
+        if not fresh:
+            self.layers = after  # (two empty ranges are equal: an empty stage's module is the same)
         ms = 1e3 * (time.perf_counter() - t0)
         got = sum(len(t.layers) for t in transfers if t.dst == me)
         record = {

@@ -80,7 +80,10 @@ class Block(nn.Module):
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: `forward(inp)` returns the activation, or the logits on the last stage."""
+    """One pipeline stage: `forward(inp)` returns the activation, or the logits on the last stage.
+    `layers` may be empty (a re-partition that moves all of a stage's blocks to its neighbours): stage 0
+    keeps its embeddings, the last stage its head, and a middle stage has no parameter and returns its
+    input itself (the identity; the executor passes activations and gradients through it)."""
 
     def __init__(self, cfg: GPTConfig, stage: int, num_stages: int, layers: range) -> None:
         super().__init__()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 
 from runtime_adapter.grad_sum import GradSum
+from runtime_adapter.migration_plan import to_global
 from runtime_adapter.stage import StageRunner, infer_shapes
-from runtime_adapter.training import Training, apply_lr, clip_gradients, squared_norm
+from runtime_adapter.training import Training, apply_lr, build_optimizer, clip_gradients, squared_norm
 
 
 def train_reference(
@@ -32,7 +35,7 @@ def train_reference(
     runners = [StageRunner(training, s, num_stages, device, shapes) for s in range(num_stages)]
     stages = [r.build() for r in runners]
     params = [[p for p in st.parameters() if p.requires_grad] for st in stages]
-    optimizers = [training.optimizer(ps) for ps in params]
+    optimizers = [build_optimizer(training, ps) for ps in params]
     base_lrs = [[float(g["lr"]) for g in opt.param_groups] for opt in optimizers]
     sums = [GradSum(ps, training.exact_sums) for ps in params]
     scale = 1.0 / (num_pipelines * num_microbatches)
@@ -70,6 +73,19 @@ def _clip(training: Training, params: list[list[torch.nn.Parameter]]) -> None:
     squared = torch.stack([squared_norm(ps) for ps in params])
     for s, ps in enumerate(params):
         clip_gradients(ps, training.clip, s, len(params), lambda _: squared)
+
+
+def model_wide(
+    states: Sequence[Mapping[str, torch.Tensor]], ranges: Sequence[range], prefix: str
+) -> dict[str, torch.Tensor]:
+    """Stage state dicts (the s-th holding layers `ranges[s]`) as one state of the whole model, each
+    layer's entries named by its model-wide index (`<prefix><layer>.*`, migration_plan.to_global): the
+    parameters of a worker holding any layer range (after a re-partition; an empty one holds none)
+    compare with `train_reference`'s layer by layer."""
+    whole: dict[str, torch.Tensor] = {}
+    for state, layers in zip(states, ranges, strict=True):
+        whole.update({to_global(k, layers, prefix): v for k, v in state.items()})
+    return whole
 
 
 def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

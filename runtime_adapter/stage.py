@@ -15,7 +15,13 @@ import torch
 from torch import nn
 
 from planner.errors import InvalidInputError
-from runtime_adapter.training import StageTypeError, Training, build_stage_module, microbatch_seed
+from runtime_adapter.training import (
+    StageTypeError,
+    Training,
+    build_optimizer,
+    build_stage_module,
+    microbatch_seed,
+)
 
 Shape = tuple[int, ...]
 
@@ -77,7 +83,7 @@ def check_training(
                 f"device): {type(e).__name__}: {e}"
             ) from e
         try:  # the optimizer too: a bad learning rate is bad input, not a worker's start-up crash
-            training.optimizer([p for p in module.parameters() if p.requires_grad])
+            build_optimizer(training, [p for p in module.parameters() if p.requires_grad])
         except Exception as e:
             raise InvalidInputError(
                 f"optimizer(stage {s}'s parameters) failed: {type(e).__name__}: {e}"

@@ -69,7 +69,9 @@ class LayerRanges:
     """A model whose stages are contiguous ranges of `num_layers` layers: what re-partitioning needs
     (docs/runtime.md, "Layer migration"). `build(s, P, layers)` returns stage s of P holding exactly
     the layers in `layers` (plus stage s's non-layer parts: embeddings on stage 0, head on the last);
-    the parameters of its j-th layer are named `<prefix><j>.*`. The default split is `split_bounds`."""
+    the parameters of its j-th layer are named `<prefix><j>.*`. The default split is `split_bounds`.
+    `layers` may be empty (a re-partition can leave a stage no layer): the stage is then its non-layer
+    parts alone, or the identity for a middle stage (it passes activations and gradients through)."""
 
     num_layers: int
     build: Callable[[int, int, range], nn.Module]
@@ -119,6 +121,24 @@ class Training:
     layer_ranges: LayerRanges | None = None
 
 
+class NoParameters(torch.optim.Optimizer):
+    """The optimizer of a stage without trainable parameters (an empty stage of a re-partition: no
+    layer, no embedding or head), since torch optimizers refuse an empty parameter list: one empty
+    group (lr 0), no state; `step` does nothing. Its state dict rolls back, moves to a re-joiner and
+    checkpoints like any other."""
+
+    def __init__(self) -> None:
+        super().__init__([{"params": []}], {"lr": 0.0})
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        return None if closure is None else closure()
+
+
+def build_optimizer(training: Training, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
+    """`training.optimizer(params)`, or `NoParameters` for a stage without trainable parameters."""
+    return training.optimizer(list(params)) if params else NoParameters()
+
+
 def build_stage_module(training: Training, stage: int, num_stages: int) -> nn.Module:
     """Stage `stage` of `num_stages`, built after seeding the global generator with `training.seed`."""
     torch.manual_seed(training.seed)
@@ -150,7 +170,8 @@ def stages_from_layers(
 
 def layer_ranges_from_layers(build_layers: Callable[[], Sequence[nn.Module]]) -> LayerRanges:
     """`LayerRanges` for a model given as a list of layers (the even split of `stages_from_layers`
-    without `split`): stage s holding `layers` is `nn.Sequential` of those layers."""
+    without `split`): stage s holding `layers` is `nn.Sequential` of those layers (no layer: the
+    identity, an empty `nn.Sequential`)."""
 
     def build(s: int, num_stages: int, layers: range) -> nn.Module:
         return nn.Sequential(*list(build_layers())[layers.start : layers.stop])

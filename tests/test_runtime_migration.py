@@ -13,7 +13,7 @@ planner on the derived stage-level job (planner.partition.derive_job) and carry 
   stage 0's new state from its peer; parameters equal single-process training, compared layer by layer.
 - a receiver killed in the middle of the first move (`--fail-at 2:MIGRATE` on [1, 1]): nobody
   switches, v3 (pipeline 1 gone) re-plans the same move from [0, 0], the only live holder.
-- the pure planning (migration_plan.plan_transfers), property-based.
+- the pure planning (migration_plan.plan_transfers), property-based, stages holding no layer included.
 (tests/test_runtime_migration_state.py: what moves with a layer, in one process.)
 """
 
@@ -37,7 +37,7 @@ from runtime_adapter.migration import MigrationUnsupported, Migrator
 from runtime_adapter.migration_job import with_layers
 from runtime_adapter.migration_plan import plan_transfers
 from runtime_adapter.model import training
-from runtime_adapter.reference import relative_error
+from runtime_adapter.reference import model_wide, relative_error
 from runtime_adapter.stage import StageRunner
 from runtime_adapter.training import Training, layer_ranges_from_layers, stages_from_layers
 from tests.jobs import tiny_job
@@ -87,15 +87,7 @@ def test_move_a_layer_and_back(tmp_path: Path) -> None:
     assert_matches_reference(tmp_path, job, n, [(0, 0), (0, 1), (1, 0), (1, 1)])
 
 
-def global_state(state: dict[str, torch.Tensor], first: int) -> dict[str, torch.Tensor]:
-    """A stage's state with its blocks named by their index in the whole model."""
-    out = {}
-    for k, v in state.items():
-        if k.startswith("blocks."):
-            j, rest = k[len("blocks.") :].split(".", 1)
-            k = f"blocks.{first + int(j)}.{rest}"
-        out[k] = v
-    return out
+HOME = [range(0, 2), range(2, 4)]
 
 
 def test_sender_killed_during_the_migration(tmp_path: Path) -> None:
@@ -117,10 +109,11 @@ def test_sender_killed_during_the_migration(tmp_path: Path) -> None:
     assert_exactly_once(tmp_path, job, n)
     assert_losses_match(tmp_path, job, n)
     ref = reference(2, 2, 2, n)
-    whole = {**global_state(ref[0], 0), **global_state(ref[1], 2)}
+    whole = model_wide(ref, HOME, "blocks.")
     for d, s in [(0, 0), (1, 0), (1, 1)]:
         done = next(r for r in records(tmp_path, (d, s)) if r["event"] == "done")
-        got = global_state(torch.load(tmp_path / f"final_{d}_{s}.pt"), done["layers"][0])
+        final = torch.load(tmp_path / f"final_{d}_{s}.pt")
+        got = model_wide([final], [range(*done["layers"])], "blocks.")
         err = relative_error(got, {k: whole[k] for k in got})
         assert err < TOL, f"worker [{d}, {s}]: relative error {err:.2e}"
 
@@ -142,21 +135,25 @@ def test_receiver_killed_during_the_migration(tmp_path: Path) -> None:
     assert_exactly_once(tmp_path, job, n)
     assert_losses_match(tmp_path, job, n)
     ref = reference(2, 2, 2, n)
-    whole = {**global_state(ref[0], 0), **global_state(ref[1], 2)}
-    for (d, s), first in [((0, 0), 0), ((0, 1), 1)]:
-        got_state = global_state(torch.load(tmp_path / f"final_{d}_{s}.pt"), first)
+    whole = model_wide(ref, HOME, "blocks.")
+    for (d, s), layers in [((0, 0), range(0, 1)), ((0, 1), range(1, 4))]:
+        got_state = model_wide([torch.load(tmp_path / f"final_{d}_{s}.pt")], [layers], "blocks.")
         err = relative_error(got_state, {k: whole[k] for k in got_state})
         assert err < TOL, f"worker [{d}, {s}]: relative error {err:.2e}"
 
 
 @st.composite
 def layouts(draw: st.DrawFn) -> tuple[dict[Worker, range | None], list[range]]:
-    """Random alive workers of D x P holding random (per-worker) partitions, and a target partition."""
+    """Random alive workers of D x P holding random (per-worker) partitions, and a target partition;
+    with `empty`, stages may hold no layer (a stage receiving nothing, or giving everything)."""
     D, P = draw(st.integers(1, 3)), draw(st.integers(2, 4))
-    n = draw(st.integers(P, P + 4))
+    n, empty = draw(st.integers(P, P + 4)), draw(st.booleans())
 
     def partition() -> list[range]:
-        cuts = sorted(draw(st.sets(st.integers(1, n - 1), min_size=P - 1, max_size=P - 1)))
+        if empty:
+            cuts = sorted(draw(st.lists(st.integers(0, n), min_size=P - 1, max_size=P - 1)))
+        else:
+            cuts = sorted(draw(st.sets(st.integers(1, n - 1), min_size=P - 1, max_size=P - 1)))
         b = [0, *cuts, n]
         return [range(b[s], b[s + 1]) for s in range(P)]
 
