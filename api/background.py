@@ -10,6 +10,7 @@ import uuid
 from api.job_sync import SharedHeartbeats
 from api.jobs import JobRuntime, JobService
 from api.models import EventIn
+from api.solve_partition import plan_key, solve_mode
 from api.solver import enumerate_scenarios
 from api.store import PlanRecord, StoreUnavailableError
 from planner.contract import FailureScenario
@@ -27,7 +28,8 @@ async def precompute(service: JobService, rt: JobRuntime) -> None:
     shared by replicas each key is claimed first (api/store_coord.py): replicas precomputing the same
     job split the keys, and a key whose claimer died is taken over. Progress (precompute_total, the
     keys stored or given up as precompute_done) is persisted in the job record. While the database is
-    unreachable it waits and resumes.
+    unreachable it waits and resumes. As many keys are planned at once as the solver runs background
+    solves (Solver.background_slots: the Ray cluster's CPUs when RECYCLE_RAY_ADDRESS is set).
     """
     while True:
         try:
@@ -57,22 +59,40 @@ async def _precompute(service: JobService, rt: JobRuntime) -> None:
     finished = progress()
     limit = service.settings.cap_time_limit(None, service.settings.precompute_time_limit_s).total_seconds()
     todo = [(k, sc) for k, sc in keys if k not in finished]
+    # as many keys at once as the solver runs background solves (the Ray cluster's CPUs with Ray)
+    slots = asyncio.Semaphore(getattr(service.solver, "background_slots", 1))
+
+    async def plan_claimed(key: str, sc: FailureScenario) -> None:
+        try:
+            if coord.shared and store.plan_keys([key]):
+                return  # another replica planned it meanwhile
+            if not await _solve(service, rt, key, sc, limit):
+                given_up.add(key)
+        finally:
+            coord.release_claim(key)
+            slots.release()
+        progress()
+
     while todo:
         claimed_elsewhere = []
-        for key, sc in todo:
-            if rec.state == "finished":
-                return  # nobody will ask for another plan of this job
-            if not coord.try_claim(key):
-                claimed_elsewhere.append((key, sc))
-                continue
-            try:
-                if coord.shared and store.plan_keys([key]):
-                    continue  # another replica planned it meanwhile
-                if not await _solve(service, rt, key, sc, limit):
-                    given_up.add(key)
-            finally:
-                coord.release_claim(key)
-            progress()
+        running: list[asyncio.Task[None]] = []
+        try:
+            for key, sc in todo:
+                await slots.acquire()
+                if rec.state == "finished":  # nobody will ask for another plan of this job
+                    slots.release()
+                    break
+                if not coord.try_claim(key):
+                    slots.release()
+                    claimed_elsewhere.append((key, sc))
+                    continue
+                running.append(asyncio.create_task(plan_claimed(key, sc)))
+            await asyncio.gather(*running)
+        finally:
+            for task in running:
+                task.cancel()
+        if rec.state == "finished":
+            return
         if claimed_elsewhere:
             await asyncio.sleep(RETRY_S)  # another replica is planning them: take over if it dies
             finished = progress()
@@ -84,7 +104,8 @@ async def _solve(service: JobService, rt: JobRuntime, key: str, sc: FailureScena
     rec = rt.record
     t0 = time.perf_counter()
     try:
-        out = await service.solver.submit_background(1, rec.spec_json, sc.model_dump_json(), limit, True)
+        args = (rec.spec_json, sc.model_dump_json(), limit, True, *solve_mode(rec))
+        out = await service.solver.submit_background(1, *args)
     except Exception:
         log.exception("job %s: precompute of %s failed", rec.id, key)
         return False
@@ -99,7 +120,7 @@ async def _solve(service: JobService, rt: JobRuntime, key: str, sc: FailureScena
 def _key(rt: JobRuntime, scenario: FailureScenario) -> str:
     from planner.normalize import normalize
 
-    return normalize(rt.job, scenario).key
+    return plan_key(normalize(rt.job, scenario).key, rt.record.repartition)
 
 
 MIN_CHECK_S = 0.01  # the heartbeat loop never wakes more often than this

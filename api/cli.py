@@ -158,8 +158,9 @@ def bind(host: str, port: int) -> socket.socket:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Start uvicorn on the app. Exit code 2 for a bad setting (no controller token and no
     --insecure-dev, an unusable data directory or PROMETHEUS_MULTIPROC_DIR, a database URL that does
-    not parse or connect or whose schema is newer than this code, a host or port that cannot be
-    bound), 0 after a graceful stop (SIGINT or SIGTERM), 1 when the application failed to start."""
+    not parse or connect or whose schema is newer than this code, a RECYCLE_RAY_ADDRESS without Ray
+    or whose head does not answer, a host or port that cannot be bound), 0 after a graceful stop
+    (SIGINT or SIGTERM), 1 when the application failed to start."""
     previous = signal.signal(signal.SIGTERM, _stop)
     try:
         return _serve(args)
@@ -191,11 +192,13 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INPUT
     from api.metrics import MULTIPROC_ENV, multiproc_dir
+    from api.solver_ray import check_ray
 
     metrics_dir = multiproc_dir()
     for problem in (
         check_database(settings) if settings.database_url else check_dir(settings.data_dir),
         None if metrics_dir is None else check_dir(Path(metrics_dir), MULTIPROC_ENV),
+        check_ray(),  # RECYCLE_RAY_ADDRESS: Ray installed and its head reachable
     ):
         if problem is not None:
             print(f"error: {problem}", file=sys.stderr)

@@ -42,7 +42,9 @@ def key_hash(key: str) -> str:
 
 
 def request_hash(req: JobCreate) -> str:
-    return hashlib.sha256(req.model_dump_json().encode()).hexdigest()
+    """`repartition` counts only when on: a key stored before the field existed still matches."""
+    body = req.model_dump_json(exclude=None if req.repartition else {"repartition"})
+    return hashlib.sha256(body.encode()).hexdigest()
 
 
 def _stream(key: str, n: int) -> bytes:

@@ -39,6 +39,7 @@ from api.metrics import Metrics
 from api.models import EventIn, JobCreate, JobCreated
 from api.rules import check_dimensions
 from api.settings import Settings
+from api.solve_partition import check_repartition
 from api.solver import Solver
 from api.store import JobRecord, Store
 from api.store_coord import Coordinator
@@ -138,6 +139,8 @@ class JobService(JobEvents):
             raise InvalidInputError(
                 f"max_failures: {req.max_failures} is above the limit {self.settings.max_failures_cap}"
             )
+        if req.repartition:
+            check_repartition(req.job)  # 422 naming `layers` when it has no per-layer figures
         token = secrets.token_hex(32)  # hex: never starts with '-', which CLIs would take for a flag
         rec = JobRecord(
             id=secrets.token_hex(8),
@@ -149,6 +152,7 @@ class JobService(JobEvents):
             heartbeat_enabled=req.heartbeat_enabled,
             heartbeat_timeout_s=req.heartbeat_timeout_s,
             restore_policy=req.restore_policy,
+            repartition=req.repartition,
         )
         idem = None
         if idempotency_key is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from planner.contract import FailureScenario, JobSpec, Worker
 
@@ -39,6 +39,13 @@ class JobCreate(BaseModel):
         description="auto: an event that loses a whole stage publishes the needs_restore version and at once "
         "a restore version (every worker alive, `restore` {epoch, iteration}); manual: the job stays "
         "needs_restore until rejoin events bring every stage back.",
+    )
+    repartition: StrictBool = Field(
+        default=False,
+        description="true: every failure set's plan also chooses which contiguous layers each stage holds "
+        "(issue 12: layers move off the stages that lost workers); its schedule then carries `partition` "
+        "and `migration`, and so does every worker's view. Needs per-layer figures in the job spec "
+        "(`layers`, or `model.layers`). false (default): re-route only.",
     )
 
 
@@ -93,6 +100,7 @@ class JobStatus(BaseModel):
         "heartbeat_timeout_s / 3 while heartbeats are on); also the Recycle-Poll-Wait-Max header of a poll.",
     )
     restore_policy: RestorePolicy = Field(default="auto", description="auto or manual (see JobCreate).")
+    repartition: bool = Field(default=False, description="Plans choose the layer split too (see JobCreate).")
     restore: RestoreInfo | None = Field(
         default=None, description="The latest restore; null before the first."
     )
@@ -208,6 +216,11 @@ class PlanRequest(BaseModel):
     scenario: FailureScenario = Field(default_factory=FailureScenario)
     time_limit_s: float | None = Field(default=None, gt=0, description="Capped by the service settings.")
     use_cpsat: bool = True
+    repartition: StrictBool = Field(
+        default=False,
+        description="Choose the layer split too (as a job registered with `repartition: true`); the figures "
+        "then carry a `repartition` block. Up to three candidate plans, each within the time limit.",
+    )
 
 
 class PlanResponse(BaseModel):
@@ -249,6 +262,14 @@ class WorkerView(BaseModel):
         description="auto: a needs_restore version is followed by a restore version (wait for it)."
     )
     restore: RestoreInfo | None = Field(default=None, description="Absent before the first restore.")
+    partition: list[list[int]] | None = Field(
+        default=None,
+        description="The layer range [first, end) each stage holds, the same in every pipeline; absent: "
+        "the job's own split (only a job registered with `repartition: true` moves layers).",
+    )
+    migration: dict[str, Any] | None = Field(
+        default=None, description="With `partition`: the plan's layer moves and `estimated_ms`."
+    )
     joined_at: int | None = Field(
         default=None,
         description="Alive workers: the version since which this worker is continuously alive (fencing).",

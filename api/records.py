@@ -30,6 +30,7 @@ class JobRecord:
     restore: dict[str, Any] | None = None  # the latest restore {epoch, iteration}, carried by every version
     checkpoints: dict[str, list[int]] = field(default_factory=dict)  # stage -> newest reported iterations
     joined: dict[str, Any] = field(default_factory=dict)  # {"base": v, "since": {"d,s": v}}: api/restore.py
+    repartition: bool = False  # plans choose the layer split too (issue 12; api/solve_partition.py)
 
 
 @dataclass

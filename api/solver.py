@@ -88,14 +88,31 @@ def relabel_canonical(canonical_json: str, norm: Normalized, scenario: FailureSc
     return doc
 
 
-def solve(job_json: str, scenario_json: str, time_limit_s: float, use_cpsat: bool) -> SolveOutput:
-    """Pool entry point: plan one scenario. Planner errors come back in `.error` (they do not pickle)."""
+def solve(
+    job_json: str,
+    scenario_json: str,
+    time_limit_s: float,
+    use_cpsat: bool,
+    repartition: bool = False,
+    partition_json: str | None = None,
+) -> SolveOutput:
+    """Pool entry point: plan one scenario. Planner errors come back in `.error` (they do not pickle).
+
+    `repartition`: the job plans with re-partition (api/solve_partition.py: the partition chosen with
+    the schedule, or `partition_json`'s refined); the plan's key is then the re-partition key."""
     from planner.plan import plan
 
     job = JobSpec.model_validate_json(job_json)
     scenario = FailureScenario.model_validate_json(scenario_json)
+    limit = timedelta(seconds=time_limit_s)
+    extra_figures: dict[str, Any] | None = None
     try:
-        result = plan(job, scenario, time_limit=timedelta(seconds=time_limit_s), use_cpsat=use_cpsat)
+        if repartition:
+            from api.solve_partition import plan_for_service
+
+            result, extra_figures = plan_for_service(job, scenario, limit, use_cpsat, partition_json)
+        else:
+            result = plan(job, scenario, time_limit=limit, use_cpsat=use_cpsat)
     except UnrecoverableScenarioError as exc:
         return SolveOutput("", "", "", 0.0, "", error=("unrecoverable", str(exc), exc.stages))
     except PlannerError as exc:
@@ -114,8 +131,14 @@ def solve(job_json: str, scenario_json: str, time_limit_s: float, use_cpsat: boo
         except ArithmeticError:  # e.g. a job whose every duration is 0 has a zero lower bound
             itime = result.iteration_time_ms
             figures = {"job": job.name, "iteration_time_ms": itime, "source": result.source}
+        key = result.key
+        if extra_figures is not None:
+            from api.solve_partition import plan_key
+
+            figures["repartition"] = extra_figures
+            key = plan_key(norm.key, True)  # (result.key is the derived job's)
         return SolveOutput(
-            key=result.key,
+            key=key,
             canonical_json=canonical.model_dump_json(exclude_none=True),
             physical_json=result.schedule.model_dump_json(exclude_none=True),
             iteration_time_ms=result.iteration_time_ms,
@@ -217,13 +240,33 @@ class Solver:
         )
         self._seq = itertools.count()
         self._consumers: list[asyncio.Task[None]] = []
+        self.ray: Any = None  # api.solver_ray.RayBackground when RECYCLE_RAY_ADDRESS is set
 
     def start(self) -> None:
-        """Start the background consumers and warm the pools (spawn start-up is paid now, not later)."""
-        for _ in range(self._num_background):
-            self._consumers.append(asyncio.create_task(self._consume()))
+        """Start the background consumers and warm the pools (spawn start-up is paid now, not later).
+
+        With RECYCLE_RAY_ADDRESS set, background solves run on that Ray cluster (api/solver_ray.py),
+        one consumer per CPU of the cluster; InvalidInputError (one line) when it cannot connect.
+        """
+        from planner.settings import planner_settings
+
+        address = planner_settings().ray_address
+        if address:
+            from api.solver_ray import RayBackground
+
+            self.ray = RayBackground(address)
+            self.ray.start()
+        for index in range(self.background_slots):
+            self._consumers.append(asyncio.create_task(self._consume(index)))
         for pool in (self.events, self.whatif, self.background):
             pool.submit(_noop)
+
+    @property
+    def background_slots(self) -> int:
+        """How many background solves run at once: the Ray cluster's CPUs, or the local pool's size."""
+        if self.ray is not None and self.ray.alive:
+            return max(self._num_background, self.ray.cpus)
+        return self._num_background
 
     async def run(self, pool: Executor, *args: Any) -> SolveOutput:
         """solve(*args) in `pool`, awaited without blocking the event loop.
@@ -261,13 +304,15 @@ class Solver:
         self._queue.put_nowait((priority, next(self._seq), args, fut))
         return fut
 
-    async def _consume(self) -> None:
-        while True:
+    async def _consume(self, index: int = 0) -> None:
+        while index < self.background_slots:  # consumers beyond the local pool's end when Ray is lost
             _, _, args, fut = await self._queue.get()
             if fut.cancelled():
                 continue
             try:
-                out = await self.run(self.background, *args)
+                out = None if self.ray is None else await self.ray.solve(*args)
+                if out is None:  # no Ray, or Ray lost: the local pool
+                    out = await self.run(self.background, *args)
             except asyncio.CancelledError:
                 fut.cancel()
                 raise
@@ -288,6 +333,8 @@ class Solver:
         """
         for task in self._consumers:
             task.cancel()
+        if self.ray is not None:
+            self.ray.close()  # the driver disconnects from Ray (ray.shutdown) and ends
         managers = []
         for pool in (self.events, self.whatif, self.background):
             procs = list(getattr(pool, "_processes", {}).values())

@@ -11,12 +11,14 @@ from api.records import EventRecord, IdempotencyRecord, JobRecord, PlanRecord, V
 
 JOB_COLS = list(JobRecord.__dataclass_fields__)
 JSON_COLS = ("unrecoverable_stages", "done_workers", "restore", "checkpoints", "joined")
+BOOL_COLS = ("heartbeat_enabled", "repartition")  # INTEGER 0/1 in SQLite, BOOLEAN in PostgreSQL
 
 
 def job_from_dict(d: dict[str, Any]) -> JobRecord:
     """A JobRecord from a row of the jobs table (as a dict)."""
     d = dict(d)
-    d["heartbeat_enabled"] = bool(d["heartbeat_enabled"])
+    for col in BOOL_COLS:
+        d[col] = bool(d[col])
     for col in JSON_COLS:
         d[col] = json.loads(d[col])
     return JobRecord(**d)
@@ -28,10 +30,9 @@ def job_values(update: dict[str, Any], bool_as_int: bool = True) -> dict[str, An
     for col in JSON_COLS:
         if col in out:
             out[col] = json.dumps(out[col])
-    if "heartbeat_enabled" in out:
-        out["heartbeat_enabled"] = (
-            int(out["heartbeat_enabled"]) if bool_as_int else bool(out["heartbeat_enabled"])
-        )
+    for col in BOOL_COLS:
+        if col in out:
+            out[col] = int(out[col]) if bool_as_int else bool(out[col])
     unknown = set(out) - set(JOB_COLS)
     if unknown:
         raise KeyError(f"unknown job fields: {sorted(unknown)}")

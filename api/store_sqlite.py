@@ -33,7 +33,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     precompute_total INTEGER NOT NULL, precompute_done INTEGER NOT NULL,
     done_workers TEXT NOT NULL DEFAULT '[]', restore_policy TEXT NOT NULL DEFAULT 'manual',
     restore TEXT NOT NULL DEFAULT 'null', checkpoints TEXT NOT NULL DEFAULT '{}',
-    joined TEXT NOT NULL DEFAULT '{}');
+    joined TEXT NOT NULL DEFAULT '{}', repartition INTEGER NOT NULL DEFAULT 0);
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_token ON jobs(worker_token_hash);
 CREATE TABLE IF NOT EXISTS versions (
     job_id TEXT NOT NULL, version INTEGER NOT NULL, scenario_json TEXT NOT NULL, schedule_json TEXT NOT NULL,
@@ -59,6 +59,7 @@ _ADDED_JOB_COLUMNS = (
     ("restore", "TEXT NOT NULL DEFAULT 'null'"),
     ("checkpoints", "TEXT NOT NULL DEFAULT '{}'"),
     ("joined", "TEXT NOT NULL DEFAULT '{}'"),
+    ("repartition", "INTEGER NOT NULL DEFAULT 0"),
 )
 
 

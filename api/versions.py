@@ -25,6 +25,7 @@ from api.job_runtime import JobRuntime, Plan, Worker, all_done, event_result
 from api.metrics import Metrics
 from api.restore import joined_after
 from api.settings import Settings
+from api.solve_partition import own_partition, plan_key, schedule_partition, solve_mode
 from api.solver import Solver, raise_error, relabel_canonical
 from api.store import (
     EventRecord,
@@ -121,16 +122,18 @@ class VersionPublisher:
         self._start_refine(rt, scenario, plan)
 
     def _start_refine(self, rt: JobRuntime, scenario: FailureScenario, plan: Plan) -> None:
-        """CP-SAT in the background for a plan that is not refined yet."""
+        """CP-SAT in the background for a plan that is not refined yet (a re-partitioned one on the
+        partition it published: api/solve_partition.py)."""
         if plan.refine:
-            task = asyncio.get_running_loop().create_task(self._refine(rt, scenario, rt.scenario_seq))
+            part = schedule_partition(plan.json, plan.schedule) if rt.record.repartition else None
+            task = asyncio.get_running_loop().create_task(self._refine(rt, scenario, rt.scenario_seq, part))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
     async def _plan(self, rt: JobRuntime, scenario: FailureScenario) -> Plan:
         """A schedule for `scenario`: its stored plan relabelled, else a greedy solve (events pool)."""
         norm = normalize(rt.job, scenario)
-        plan = self.store.get_plan(norm.key)
+        plan = self.store.get_plan(plan_key(norm.key, rt.record.repartition))
         schedule: dict[str, Any] | None = None
         if plan is not None:
             self.metrics.cache.labels(result="hit").inc()
@@ -141,9 +144,8 @@ class VersionPublisher:
         else:
             self.metrics.cache.labels(result="miss").inc()
             t0 = time.perf_counter()
-            out = await self.solver.run(
-                self.solver.events, rt.record.spec_json, scenario.model_dump_json(), 1.0, False
-            )
+            args = (rt.record.spec_json, scenario.model_dump_json(), 1.0, False, *solve_mode(rt.record))
+            out = await self.solver.run(self.solver.events, *args)
             self.metrics.solve_seconds.labels(purpose="event").observe(time.perf_counter() - t0)
             self.metrics.solves.labels(purpose="event", source=out.source or "error").inc()
             raise_error(out)
@@ -241,21 +243,26 @@ class VersionPublisher:
         schedule = json.loads(ver.schedule_json)
         return self._make_view(rt, ver.version, rt.record.state, ver.source, schedule)
 
-    async def _refine(self, rt: JobRuntime, scenario: FailureScenario, seq: int) -> None:
+    async def _refine(
+        self, rt: JobRuntime, scenario: FailureScenario, seq: int, partition_json: str | None = None
+    ) -> None:
         """CP-SAT for the current scenario in the background; publish it if it is still current and better.
 
         The scenario's key is claimed first (api/store_coord.py): when another replica is planning it
         right now (its precompute), this one does not plan it again; that plan is stored for the
-        next event of the key."""
+        next event of the key. A re-partition job refines on `partition_json` (the published plan's
+        partition; None: the job's own), keeping the layer split the workers are moving to."""
         limit = self.settings.cap_time_limit(None, self.settings.refine_time_limit_s).total_seconds()
-        key = normalize(rt.job, scenario).key
+        key = plan_key(normalize(rt.job, scenario).key, rt.record.repartition)
         try:
             if not self.coord.try_claim(key):
                 log.info("job %s: %s is being planned by another replica", rt.record.id, key)
                 return
             try:
                 t0 = time.perf_counter()
-                args = (rt.record.spec_json, scenario.model_dump_json(), limit, True)
+                args: tuple[object, ...] = (rt.record.spec_json, scenario.model_dump_json(), limit, True)
+                if rt.record.repartition:
+                    args += (True, partition_json or own_partition(rt.job))
                 out = await self.solver.submit_background(0, *args)
             finally:
                 self.coord.release_claim(key)

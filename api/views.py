@@ -10,6 +10,7 @@ import pydantic_core
 from api.restore import joined_at, joined_map
 
 Worker = tuple[int, int]
+LAYER_FIELDS = ("partition", "migration")  # a schedule's optional layer split, copied to worker views
 
 
 def _dumps(obj: Any) -> bytes:
@@ -102,6 +103,9 @@ class VersionView:
         }
         if self.restore is not None:
             doc["restore"] = self.restore
+        for name in LAYER_FIELDS:  # issue 12: the layer split this version runs (re-partition jobs)
+            if name in self.schedule:
+                doc[name] = self.schedule[name]
         since = joined_at(self.joined, worker) if actions is not None else None
         if since is not None:
             doc["joined_at"] = since

@@ -43,7 +43,8 @@ class PlannerSettings(BaseSettings):
     ray_address: str | None = Field(
         default=None,
         description="Default of `recycle precompute --ray`: the Ray cluster to plan on (auto, HOST:PORT or "
-        "ray://HOST:PORT); unset or empty: local processes.",
+        "ray://HOST:PORT); unset or empty: local processes. `recycle serve` runs its background solves "
+        "(refinement, precompute) there too (docs/service.md).",
     )
 
     @property

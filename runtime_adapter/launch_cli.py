@@ -79,6 +79,13 @@ def add_launch_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument(
         "--heartbeat-timeout", type=finite_float, help="with --service: silence that fails a worker (s)"
     )
+    p.add_argument(
+        "--repartition",
+        action="store_true",
+        help="with --service: the service's plans also move layers off the stages that lost workers "
+        "(and back on re-join); needs per-layer figures in --job (`recycle profile --layers`) and an "
+        "entry whose Training has layer_ranges (the reference GPT has them)",
+    )
     add_checkpoint_args(p)
     p.add_argument(
         "--pace-ms",
@@ -173,10 +180,29 @@ def _check_training(args: argparse.Namespace, job: JobSpec, model: dict[str, Any
 
     training = load_entry(args.entry, model)
     check_training(training, job.num_stages, job.num_pipelines, job.num_microbatches)
+    if args.repartition:
+        _check_repartition(args, job, training.layer_ranges is not None)
     device, backend, why = job_devices(args.device, args.backend, job.num_pipelines * job.num_stages)
     if why:
         print(f"backend: {backend} ({why})")
     return device, backend
+
+
+def _check_repartition(args: argparse.Namespace, job: JobSpec, has_layer_ranges: bool) -> None:
+    """--repartition: with --service, a job spec with per-layer figures, a Training that can build a
+    stage of any layer range."""
+    from planner.partition import layer_model
+
+    if not args.service:
+        raise InvalidInputError("--repartition goes with --service (the service plans the layer moves)")
+    if not has_layer_ranges:
+        raise InvalidInputError(
+            f"--repartition: the Training of --entry {args.entry} has no layer_ranges (layers cannot move)"
+        )
+    try:
+        layer_model(job)  # the planner's per-layer figures (given, or derived from `model.layers`)
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"--repartition: --job {args.job}: {exc}") from None
 
 
 def _publisher(args: argparse.Namespace, spec: LaunchSpec) -> Publisher | str:
@@ -195,12 +221,15 @@ def _publisher(args: argparse.Namespace, spec: LaunchSpec) -> Publisher | str:
     token = args.controller_token or (env_token.get_secret_value() if env_token else None)
     if not token:
         return "--service needs --controller-token or RECYCLE_CONTROLLER_TOKEN"
+    moves = ", with re-partition" if args.repartition else ""
     print(
-        f"schedules: from the planner service {args.service} (precomputed up to {args.max_failures} failures)"
+        f"schedules: from the planner service {args.service} (precomputed up to {args.max_failures} "
+        f"failures{moves})"
     )
     policy = "auto" if spec.checkpoint_every > 0 else "manual"  # no checkpoints: a lost stage ends it
     return ServicePublisher(args.service, token, spec.job, args.max_failures,
-                            heartbeat_timeout_s=args.heartbeat_timeout, restore_policy=policy)  # fmt: skip
+                            heartbeat_timeout_s=args.heartbeat_timeout, restore_policy=policy,
+                            repartition=args.repartition)  # fmt: skip
 
 
 def _print_outputs(spec: LaunchSpec) -> None:

@@ -54,9 +54,11 @@ class ServicePublisher:
         timeout_s: float = 30.0,
         rng: random.Random | None = None,
         restore_policy: str | None = None,
+        repartition: bool = False,
     ) -> None:
         """`restore_policy` ("auto" / "manual", default: the service's, auto): whether the service
-        restores a lost stage from the checkpoints by itself."""
+        restores a lost stage from the checkpoints by itself. `repartition`: the service's plans move
+        layers between stages too (the job spec needs per-layer figures; docs/service.md)."""
         self.base, self.token, self.job = url.rstrip("/"), controller_token, job
         self.registration: dict[str, Any] = {
             "job": json.loads(job.model_dump_json()),
@@ -66,6 +68,8 @@ class ServicePublisher:
         }
         if restore_policy is not None:
             self.registration["restore_policy"] = restore_policy
+        if repartition:
+            self.registration["repartition"] = True
         self.job_id: str | None = job_id  # the registered (or attached) job, once start() returned
         self.worker_token, self.timeout_s = worker_token, timeout_s
         self.rng = rng if rng is not None else random.Random()

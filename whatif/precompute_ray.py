@@ -52,15 +52,15 @@ class ScenariosFailed(RuntimeError):
         )
 
 
-def _ray() -> Any:
+def _ray(flag: str = FLAG) -> Any:
     try:
         import ray
     except ImportError:
-        raise InvalidInputError(f"{FLAG}: Ray is not installed (pip install 'recycle[ray]')") from None
+        raise InvalidInputError(f"{flag}: Ray is not installed (pip install 'recycle[ray]')") from None
     return ray
 
 
-def _endpoint(address: str) -> tuple[str, int] | None:
+def _endpoint(address: str, flag: str = FLAG) -> tuple[str, int] | None:
     """The (host, port) that must accept a TCP connection for `address` to work; None: not known."""
     if address == "auto":
         from ray._private.services import canonicalize_bootstrap_address
@@ -68,34 +68,56 @@ def _endpoint(address: str) -> tuple[str, int] | None:
         try:
             address = canonicalize_bootstrap_address("auto") or ""
         except ConnectionError:
-            raise InvalidInputError(f"{FLAG} auto: no running Ray cluster found on this machine") from None
+            raise InvalidInputError(f"{flag} auto: no running Ray cluster found on this machine") from None
         except Exception:  # a private helper: when it changes, let ray.init decide
             return None
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise InvalidInputError(f"{FLAG} {address}: expected auto, HOST:PORT or ray://HOST:PORT")
+        raise InvalidInputError(f"{flag} {address}: expected auto, HOST:PORT or ray://HOST:PORT")
     return host.strip("[]"), int(port)
 
 
-def connect(address: str) -> None:
-    """Connect this process to the Ray cluster at `address` (nothing to do when already connected)."""
-    ray = _ray()
-    if ray.is_initialized():
-        return
-    endpoint = _endpoint(address)
+def probe(address: str, flag: str = FLAG) -> tuple[str, int] | None:
+    """Check that Ray is installed and the head of `address` accepts a TCP connection now (an
+    InvalidInputError naming `flag` if not); returns the endpoint probed (None: not known)."""
+    _ray(flag)
+    endpoint = _endpoint(address, flag)
     if endpoint is not None:
         try:
             socket.create_connection(endpoint, timeout=CONNECT_TIMEOUT_S).close()
         except OSError as exc:
             where = f"{endpoint[0]}:{endpoint[1]}"
             raise InvalidInputError(
-                f"{FLAG} {address}: no Ray cluster reachable at {where} ({exc.strerror or exc})"
+                f"{flag} {address}: no Ray cluster reachable at {where} ({exc.strerror or exc})"
             ) from None
+    return endpoint
+
+
+def connect(address: str, flag: str = FLAG) -> None:
+    """Connect this process to the Ray cluster at `address` (nothing to do when already connected)."""
+    ray = _ray(flag)
+    if ray.is_initialized():
+        return
+    probe(address, flag)
     try:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, namespace="recycle")
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise InvalidInputError(f"{FLAG} {address}: cannot connect: {first}") from None
+        raise InvalidInputError(f"{flag} {address}: cannot connect: {first}") from None
+
+
+def lost_errors() -> tuple[type[BaseException], ...]:
+    """Ray's errors of a task lost with its worker or its node (worth submitting again), as opposed
+    to a task that raised (the same error on every try)."""
+    from ray import exceptions as rx
+
+    return (
+        rx.WorkerCrashedError,
+        rx.NodeDiedError,
+        rx.ObjectLostError,  # incl. a result whose node died before it was fetched
+        rx.LocalRayletDiedError,
+        rx.OutOfMemoryError,
+    )
 
 
 def in_flight(ray: Any) -> int:
@@ -120,13 +142,7 @@ def plan_on_ray(
 
     from whatif.precompute import _plan_task
 
-    lost_types = (
-        rx.WorkerCrashedError,
-        rx.NodeDiedError,
-        rx.ObjectLostError,  # incl. a result whose node died before we fetched it
-        rx.LocalRayletDiedError,
-        rx.OutOfMemoryError,
-    )
+    lost_types = lost_errors()
     # max_retries=0: resubmitted here, so a lost result is retried too and each retry is reported
     task = ray.remote(num_cpus=1, max_retries=0)(_plan_task)
     job_ref = ray.put(job_json)

@@ -61,6 +61,7 @@ def job_status(service: JobService, rt: JobRuntime) -> JobStatus:
         done=sorted(rt.done),
         poll_wait_max_s=service.poll_wait_cap(rt),
         restore_policy=rec.restore_policy,  # type: ignore[arg-type]
+        repartition=rec.repartition,
         restore=None if rec.restore is None else RestoreInfo.model_validate(rec.restore),
         checkpoints=rec.checkpoints,
         restorable_iteration=restorable_iteration(rec.checkpoints, rt.job.num_stages),

@@ -12,6 +12,7 @@ from api.deps import ControllerDep, ServiceDep
 from api.errors import SolverBusyError
 from api.models import PlanRequest, PlanResponse
 from api.rules import check_dimensions
+from api.solve_partition import REPARTITION_PLANS, check_repartition
 from api.solver import raise_error
 
 router = APIRouter(prefix="/v1", tags=["plan"])
@@ -25,7 +26,11 @@ async def what_if(body: PlanRequest, service: ServiceDep, _: ControllerDep) -> P
     settings = service.settings
     check_dimensions(body.job, settings)
     body.scenario.check_against(body.job)
+    if body.repartition:
+        check_repartition(body.job)
     limit = settings.cap_time_limit(body.time_limit_s, settings.plan_time_limit_s).total_seconds()
+    plans = REPARTITION_PLANS if body.repartition else 1  # plan_repartition plans up to this many
+    mode = (True,) if body.repartition else ()
     t0 = time.perf_counter()
     try:
         out = await asyncio.wait_for(
@@ -35,11 +40,13 @@ async def what_if(body: PlanRequest, service: ServiceDep, _: ControllerDep) -> P
                 body.scenario.model_dump_json(),
                 limit,
                 body.use_cpsat,
+                *mode,
             ),
-            limit + GRACE_S,
+            limit * plans + GRACE_S,
         )
     except TimeoutError:
-        raise SolverBusyError(f"what-if solve did not finish within {limit + GRACE_S:.0f} s") from None
+        waited = limit * plans + GRACE_S
+        raise SolverBusyError(f"what-if solve did not finish within {waited:.0f} s") from None
     service.metrics.solve_seconds.labels(purpose="whatif").observe(time.perf_counter() - t0)
     service.metrics.solves.labels(purpose="whatif", source=out.source or "error").inc()
     raise_error(out)
