@@ -377,7 +377,8 @@ class Schedule(_Doc):
         extra = self.__pydantic_extra__ or {}
         part = extra.get("partition")
         if part is not None:
-            ends = [r[1] for r in part if isinstance(r, list | tuple) and len(r) == 2]
+            # the layer count: the last non-empty range's end (an empty one may name any index)
+            ends = [r[1] for r in part if isinstance(r, list | tuple) and len(r) == 2 and r[0] != r[1]]
             n = max((e for e in ends if isinstance(e, int)), default=0)
             num_stages = len(part) if isinstance(part, list) else 0
             extra["partition"] = check_partition(part, n, num_stages, allow_empty=True)

@@ -9,6 +9,7 @@ from (seed, iteration, pipeline, microbatch, stage), the same autocast, and the 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,37 @@ def infer_shapes(training: Training, num_stages: int) -> list[Shape]:
             "set Training.activation_shape"
         ) from e
     return shapes
+
+
+def check_partition_shapes(
+    training: Training, num_stages: int, shapes: list[Shape], partition: Sequence[range]
+) -> None:
+    """InvalidInputError (one line naming the stage) for a `partition` whose stages (`LayerRanges.build`
+    of its ranges, run on the meta device on micro-batch (0, 0, 0)) would send tensors of another
+    shape than `shapes` (infer_shapes: the home split's boundaries, what every receiver allocates),
+    e.g. a layer list whose first stage is left no layer sends the data itself: a check to run before
+    any module changes. A model that does not run on the meta device is not checked."""
+    ranges = training.layer_ranges
+    if ranges is None or num_stages == 1 or len(partition) != num_stages:
+        return
+    try:
+        x = _on_meta(training.data(0, 0, 0)[0])
+        got: list[Shape] = []
+        with torch.device("meta"), torch.no_grad():
+            for s in range(num_stages - 1):
+                x = ranges.build(s, num_stages, partition[s])(x)
+                got.append(tuple(x.shape))
+    except Exception:  # not runnable on the meta device: nothing to compare
+        return
+    for s, (shape, want) in enumerate(zip(got, shapes, strict=True)):
+        if shape != tuple(want):
+            r = partition[s]
+            data = " (with no layer it sends its input: the data itself)" if s == 0 and not r else ""
+            raise InvalidInputError(
+                f"partition {[[q.start, q.stop] for q in partition]}: stage {s} holding layers "
+                f"[{r.start}, {r.stop}) would send shape {list(shape)}{data}, but stage {s + 1} receives "
+                f"{list(want)} (the model's own split): this model cannot run that partition"
+            )
 
 
 def check_training(

@@ -7,9 +7,10 @@ optimizer time and all-reduce scale with the parameters it holds (their param_mi
 when no layer has any); its memory capacity for activations is the job's, minus the parameters and
 optimizer state of layers it gained, plus those of layers it gave away.
 
-A stage may hold no layer (an empty range [a, a], issue 12 follow-up): it keeps only its extras (0
-for derived per-layer figures: F/B/W/OPT of zero duration, no all-reduce), and activations and
-gradients still pass through its workers, one hop each way.
+A stage may hold no layer (an empty range [a, a], issue 12 follow-up): its F/B/W are its extras
+alone (0 for derived per-layer figures), its optimizer time and all-reduce scale to 0 with its
+parameters (one already empty in the job's partition keeps its own), and activations and gradients
+still pass through its workers, one hop each way.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _ratio(model: LayerModel, s: int, a: int, b: int) -> float:
             f"partition: stage {s} holds no layer in the job's partition, so its optimizer and "
             f"all-reduce times cannot be scaled to layers [{a}, {b}); derive from the original job"
         )
-    return 0.0
+    return 1.0  # it stays empty: its own figures (derive_job(job, job's partition) is job itself)
 
 
 def stage_profile(job: JobSpec, model: LayerModel, s: int, a: int, b: int) -> StageProfile:

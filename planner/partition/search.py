@@ -37,7 +37,7 @@ def _ratios(model: LayerModel, s: int, a_idx: np.ndarray, b_idx: np.ndarray) -> 
         return (params[b_idx] - params[a_idx]) / (params[b0] - params[a0])
     if b0 > a0:
         return (b_idx - a_idx) / (b0 - a0)
-    return np.zeros(a_idx.shape)  # an empty stage of a derived job: stage_costs keeps it empty
+    return np.ones(a_idx.shape)  # empty in the job's partition: stage_costs keeps it so, its own figures
 
 
 def stage_costs(job: JobSpec, model: LayerModel, scenario: FailureScenario) -> list[np.ndarray]:
@@ -119,7 +119,10 @@ def unmeetable_stage(costs: list[np.ndarray], job: JobSpec) -> InvalidInputError
     hold even one layer (each may hold none, so that is not by itself the reason)."""
     n = costs[0].shape[0] - 1
     a_idx, b_idx = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
+    own = job.partition_ranges()
     for s, c in enumerate(costs):
+        if own is not None and own[s][0] == own[s][1]:
+            continue  # empty in the job's partition: it takes no layer under any partition
         if not np.isfinite(c[b_idx > a_idx]).any():
             cap = job.capacity_mib(s)
             return InvalidInputError(
