@@ -159,7 +159,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Start uvicorn on the app. Exit code 2 for a bad setting (no controller token and no
     --insecure-dev, an unusable data directory or PROMETHEUS_MULTIPROC_DIR, a database URL that does
     not parse or connect or whose schema is newer than this code, a RECYCLE_RAY_ADDRESS without Ray
-    or whose head does not answer, a host or port that cannot be bound), 0 after a graceful stop
+    or where no Ray driver connects, a host or port that cannot be bound), 0 after a graceful stop
     (SIGINT or SIGTERM), 1 when the application failed to start."""
     previous = signal.signal(signal.SIGTERM, _stop)
     try:
@@ -195,11 +195,12 @@ def _serve(args: argparse.Namespace) -> int:
     from api.solver_ray import check_ray
 
     metrics_dir = multiproc_dir()
-    for problem in (
-        check_database(settings) if settings.database_url else check_dir(settings.data_dir),
-        None if metrics_dir is None else check_dir(Path(metrics_dir), MULTIPROC_ENV),
-        check_ray(),  # RECYCLE_RAY_ADDRESS: Ray installed and its head reachable
+    for check in (  # in turn: the Ray check connects a driver, only worth it when the rest passed
+        lambda: check_database(settings) if settings.database_url else check_dir(settings.data_dir),
+        lambda: None if metrics_dir is None else check_dir(Path(metrics_dir), MULTIPROC_ENV),
+        check_ray,  # RECYCLE_RAY_ADDRESS: Ray installed, its head reachable, a driver connects
     ):
+        problem = check()
         if problem is not None:
             print(f"error: {problem}", file=sys.stderr)
             return EXIT_INPUT
@@ -225,7 +226,10 @@ def _serve(args: argparse.Namespace) -> int:
     )
     server = uvicorn.Server(config)
     with sock:
-        server.run(sockets=[sock])
+        try:
+            server.run(sockets=[sock])
+        except SystemExit:  # uvicorn's exit(3) when the lifespan raised (its traceback is logged)
+            return 1
     return 0 if server.started else 1
 
 

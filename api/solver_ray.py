@@ -9,12 +9,13 @@ answers back to the event loop.
 
 The driver reuses `recycle precompute --ray`'s pieces (whatif/precompute_ray.py): connect, the
 errors of a lost task, RETRIES. The job spec goes into the object store once per job (the last
-JOB_REFS jobs keep theirs). A task lost with its worker or node, or not finished ATTEMPT_SLACK_S
-after twice its time limit, is submitted again, at most RETRIES times (a warning each), then the
-request fails with TaskLost: the key is given up and logged, and a later start plans it. The driver
-probes the head's port every PROBE_S; when it refuses PROBE_MISSES times in a row, the driver
-reports and ends, and every pending and later request is answered None: the Solver runs it in its
-local background pool, with one warning, until the service restarts.
+JOB_REFS jobs keep theirs). A task lost with its worker or node, or not finished within its
+budget (attempt_budget_s: twice its time limit per plan it makes, plus ATTEMPT_SLACK_S; a late one
+is cancelled on the cluster, so that it frees its CPU), is submitted again, at most RETRIES times (a
+warning each), then the request fails with TaskLost: the key is given up and logged, and a later
+start plans it. The driver probes the head's port every PROBE_S; when it refuses PROBE_MISSES times
+in a row, the driver reports and ends, and every pending and later request is answered None: the
+Solver runs it in its local background pool, with one warning, until the service restarts.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from api.errors import SolverBusyError
+from api.solve_partition import REPARTITION_PLANS
 from api.solver import SolveOutput, _exit_with_parent, solve
 from planner.errors import InvalidInputError
 from planner.settings import planner_settings
@@ -46,7 +48,7 @@ FLAG = "RECYCLE_RAY_ADDRESS"
 START_TIMEOUT_S = 60.0  # connecting (ray.init) may take this long before start-up gives up
 PROBE_S = 1.0  # how often the driver checks that the head still accepts connections
 PROBE_MISSES = 3  # consecutive refused probes that make the cluster lost
-ATTEMPT_SLACK_S = 60.0  # a task not finished 2 x its time limit + this after submission counts as lost
+ATTEMPT_SLACK_S = 60.0  # a task not finished within attempt_budget_s after submission counts as lost
 JOB_REFS = 32  # job specs kept in the object store (least recently used dropped)
 
 
@@ -55,15 +57,30 @@ class TaskLost(SolverBusyError):
 
 
 def check_ray() -> str | None:
-    """For `recycle serve`: None when RECYCLE_RAY_ADDRESS is unset or empty, or Ray is installed and
-    its head accepts a TCP connection, else the one-line reason (exit 2)."""
+    """For `recycle serve`: None when RECYCLE_RAY_ADDRESS is unset or empty, or Ray is installed, its
+    head accepts a TCP connection and a driver connects to it (then disconnects: the service connects
+    its own), else the one-line reason (exit 2). A port that listens but is no Ray head's (the
+    dashboard's, say) fails the connection, not the service's start-up later."""
     try:
         address = planner_settings().ray_address
         if address:
             probe(address, FLAG)
+            trial = RayBackground(address)
+            trial.connect()
+            trial.close()
     except InvalidInputError as exc:
         return str(exc)
     return None
+
+
+def attempt_budget_s(args: tuple[Any, ...]) -> float:
+    """How long a solve(*args) task may take after submission before it counts as lost: twice its
+    time limit (args[2]) per plan it makes, plus ATTEMPT_SLACK_S. A re-partition choice (args[4]
+    true, no partition given in args[5]) plans up to REPARTITION_PLANS candidates, each within the
+    limit (api/solve_partition.py)."""
+    choose = len(args) > 4 and bool(args[4]) and (len(args) < 6 or args[5] is None)
+    plans = REPARTITION_PLANS if choose else 1
+    return 2 * float(args[2]) * plans + ATTEMPT_SLACK_S
 
 
 class _Driver:
@@ -89,7 +106,7 @@ class _Driver:
                 return
 
     def _submit(self, req: int, args: tuple[Any, ...], attempt: int) -> None:
-        """solve(*args) as a task, the job JSON (args[0]) by its object ref; args[2]: the time limit."""
+        """solve(*args) as a task, the job JSON (args[0]) by its object ref."""
         job_json = args[0]
         ref = self.jobs.get(job_json)
         if ref is None:
@@ -97,7 +114,7 @@ class _Driver:
             while len(self.jobs) > JOB_REFS:
                 self.jobs.popitem(last=False)
         self.jobs.move_to_end(job_json)
-        deadline = time.monotonic() + 2 * float(args[2]) + ATTEMPT_SLACK_S
+        deadline = time.monotonic() + attempt_budget_s(args)
         self.pending[self.task.remote(ref, *args[1:])] = (req, args, attempt, deadline)
 
     def _lost(self, req: int, args: tuple[Any, ...], attempt: int, why: str) -> None:
@@ -150,6 +167,8 @@ class _Driver:
             for ref, (req, args, attempt, deadline) in list(self.pending.items()):
                 if now > deadline:
                     del self.pending[ref]
+                    with contextlib.suppress(Exception):  # else it holds a CPU until it ends
+                        self.ray.cancel(ref, force=True)
                     self._lost(req, args, attempt, "no answer in time")
             if now >= next_probe:
                 next_probe = now + PROBE_S
@@ -194,7 +213,16 @@ class RayBackground:
         self._closing = False
 
     def start(self) -> None:
-        """Spawn the driver and wait until it connected; InvalidInputError (one line) when it cannot."""
+        """Spawn the driver and wait until it connected (connect), then take its answers on the event
+        loop; InvalidInputError (one line) when it cannot connect."""
+        self.connect()
+        self._loop = asyncio.get_running_loop()
+        threading.Thread(target=self._read, name="ray-answers", daemon=True).start()
+        log.info("background solves run on the Ray cluster at %s (%d CPUs)", self.address, self.cpus)
+
+    def connect(self) -> None:
+        """Spawn the driver and wait until it connected; InvalidInputError (one line) when it cannot
+        (the driver is ended then)."""
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # Ctrl+C is the service's
@@ -207,18 +235,17 @@ class RayBackground:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
         child.close()
         try:
-            if not self._conn.poll(START_TIMEOUT_S):
-                raise InvalidInputError(f"{FLAG} {self.address}: no connection after {START_TIMEOUT_S:.0f} s")
-            kind, value = self._conn.recv()
+            if self._conn.poll(START_TIMEOUT_S):
+                kind, value = self._conn.recv()
+            else:  # the driver is closed below, not left connecting
+                kind, value = "error", f"{FLAG} {self.address}: no connection after {START_TIMEOUT_S:.0f} s"
         except (EOFError, OSError):
             kind, value = "error", f"{FLAG} {self.address}: the Ray driver process ended while connecting"
         if kind != "ready":
+            self._proc.kill()  # still connecting (a timeout: ray.init defers SIGTERM), or ending anyway
             self.close()
             raise InvalidInputError(str(value))
         self.cpus, self.alive = int(value), True
-        self._loop = asyncio.get_running_loop()
-        threading.Thread(target=self._read, name="ray-answers", daemon=True).start()
-        log.info("background solves run on the Ray cluster at %s (%d CPUs)", self.address, self.cpus)
 
     def _read(self) -> None:
         while True:

@@ -13,6 +13,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +28,9 @@ from pydantic import SecretStr
 
 from api.main import create_app
 from api.settings import Settings
+from api.solve_partition import REPARTITION_PLANS
 from api.solver import enumerate_scenarios, solve
+from api.solver_ray import ATTEMPT_SLACK_S, attempt_budget_s
 from bench.precompute_ray_cluster import LocalRayCluster, process_titles
 from planner.normalize import normalize
 from tests.jobs import service_job
@@ -72,6 +75,75 @@ def _wait(what: str, ok: Any, timeout_s: float = 60.0) -> None:
     while not ok():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
+
+
+def test_a_repartition_choice_gets_a_budget_for_each_plan_it_makes() -> None:
+    """plan_repartition plans up to REPARTITION_PLANS candidates within the limit each: a budget of
+    one plan declared such a solve lost (and ran it again) while it was still planning."""
+    base = ("{}", "{}", 30.0, True)
+    assert attempt_budget_s(base) == 60.0 + ATTEMPT_SLACK_S
+    assert attempt_budget_s((*base, False, None)) == 60.0 + ATTEMPT_SLACK_S
+    assert attempt_budget_s((*base, True)) == REPARTITION_PLANS * 60.0 + ATTEMPT_SLACK_S
+    assert attempt_budget_s((*base, True, "[[0, 1], [1, 4]]")) == 60.0 + ATTEMPT_SLACK_S  # a refinement
+
+
+def test_a_port_that_is_no_ray_head_is_one_line_and_leaves_no_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`recycle serve`'s check connects a driver: a port that listens but is no Ray head's (the
+    dashboard's, say) passed the TCP probe, then hung the start-up and failed it with a traceback; a
+    driver still connecting when START_TIMEOUT_S ran out was left running."""
+    import multiprocessing
+    import socket
+
+    import api.solver_ray as solver_ray
+
+    monkeypatch.setattr(solver_ray, "START_TIMEOUT_S", 1.0)
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # accepts TCP, speaks no Ray
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        monkeypatch.setenv("RECYCLE_RAY_ADDRESS", address)
+        problem = solver_ray.check_ray()
+    assert problem == f"RECYCLE_RAY_ADDRESS {address}: no connection after 1 s"
+    assert not [p for p in multiprocessing.active_children() if p.name == "recycle-ray-driver"]
+
+
+@pytest.mark.timeout(90)
+def test_a_task_past_its_budget_is_cancelled_on_the_cluster(
+    cluster: LocalRayCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A solve that does not answer within its budget is submitted again, and the late one is
+    cancelled: left running, it held a CPU (and delayed the retries) until it ended by itself."""
+    import multiprocessing
+
+    import ray
+
+    import api.solver_ray as solver_ray
+
+    def slow(*_: Any) -> None:  # stands in for a solve that takes far longer than its budget
+        time.sleep(120)
+
+    monkeypatch.setattr(solver_ray, "ATTEMPT_SLACK_S", 1.0)  # budget 2 x 0.5 + 1 s
+    ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
+    here, there = multiprocessing.Pipe()
+    try:
+        driver = solver_ray._Driver(ray, there, None)
+        driver.task = ray.remote(num_cpus=1, max_retries=0)(slow)
+        runner = threading.Thread(target=driver.run, daemon=True)
+        runner.start()
+        here.send((7, ("{}", "{}", 0.5, True)))
+        answers: list[Any] = []
+        while not answers or answers[-1][0] == "warn":
+            assert here.poll(30), answers
+            answers.append(here.recv())
+        assert [a[0] for a in answers] == ["warn"] * 3 + ["fail"], answers
+        assert answers[-1][1] == 7 and "no answer in time" in answers[-1][2]
+
+        def idle() -> bool:
+            return not any("ray::slow" in t for g in cluster.groups for t in process_titles(g))
+
+        _wait("the late tasks cancelled", idle, 20)
+        here.send(None)
+        runner.join(timeout=10)
+    finally:
+        ray.shutdown()
 
 
 @pytest.mark.timeout(120)
