@@ -12,8 +12,9 @@ When a failure set loses a whole stage, a restore version is published (the File
 into the schedule file, from the newest complete checkpoint; the service publishes its own) and the
 supervisor restarts the workers that are not running with `--resume-at K --restore-epoch N`; the
 survivors load the checkpoint in place. The Launcher's policy on top: with checkpointing off
-(checkpoint_every 0) a lost stage ends the launch (LaunchError), and so do more than `max_restores`
-restores or a restore that does not come within RESTORE_WAIT_S.
+(checkpoint_every 0) a lost stage ends the launch (LaunchError), and so does a lost state (workers that
+left because a layer to migrate had no live holder: supervisor.py), more than `max_restores` restores
+or a restore that does not come within RESTORE_WAIT_S.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from runtime_adapter.assignment import Worker
 from runtime_adapter.launch_spec import SCHEDULE_FILE, LaunchSpec
 from runtime_adapter.publishers import FilePublisher, Publisher, ScheduleFor, publish
 from runtime_adapter.settings import runtime_settings
@@ -107,6 +109,13 @@ class Launcher(Supervisor):
             self.terminate()
             raise LaunchError(f"stage(s) {stages} lost (all their workers failed): {NO_CHECKPOINT}")
         super().on_lost(stages)
+
+    def on_state_lost(self, why: str, left: list[tuple[Worker, str]]) -> list[int]:
+        """Without checkpoints a lost state (a layer without a live holder) ends the launch."""
+        if self.spec.checkpoint_every <= 0:
+            self.terminate()
+            raise LaunchError(f"{why}: {NO_CHECKPOINT}")
+        return super().on_state_lost(why, left)
 
     def check_restore(self, why: str) -> None:
         """No restore without checkpoints (the service may publish one from scratch), nor beyond

@@ -19,7 +19,9 @@ rollback, so every module is at the same stepped count k):
    during or after its sends; a receiver) makes the waits fail or a newer version interrupt them:
    nobody has changed anything, and the next version re-plans the migration from the ranges the live
    workers really hold. (A death inside the final all-reduce can let some workers switch and not
-   others; the next version's all-gather sees exactly that.)
+   others; the next version's all-gather sees exactly that. A layer left without a live holder makes
+   every worker's plan raise MigrationError before anything moves: the job's state is lost, and
+   worker.py leaves for a restore from the newest complete checkpoint.)
 
 A partition may leave a stage no layer (an empty range [a, a): a stage short of workers hands all its
 layers to its neighbours). Its module is then `LayerRanges.build` of the empty range: the stage's
@@ -58,6 +60,7 @@ from runtime_adapter.migration_plan import (
     plan_transfers,
     to_global,
 )
+from runtime_adapter.stage import check_partition_shapes
 from runtime_adapter.training import split_bounds
 
 logger = logging.getLogger(__name__)
@@ -101,6 +104,7 @@ class Migrator:
         self.ranges = ex.runner.training.layer_ranges
         self.home = self.ranges.home(num_stages) if self.ranges is not None else None
         self.layers: range | None = self.home[self.stage] if self.home is not None else None
+        self._checked: list[range] | None = None  # the last partition check_partition_shapes passed
 
     def partition(self, a: Assignment) -> list[range] | None:
         """The layer range of every stage under `a` (None: a model without layer ranges, unmoved)."""
@@ -122,6 +126,13 @@ class Migrator:
                 f"schedule v{a.version}: partition has {len(part)} ranges over {n} layers; the model has "
                 f"{self.num_stages} stages and {self.ranges.num_layers} layers"
             )
+        if part != self.home and part != self._checked:  # every worker refuses it alike, nothing moved
+            runner = self.ex.runner
+            try:
+                check_partition_shapes(runner.training, self.num_stages, runner.shapes, part)
+            except InvalidInputError as e:
+                raise MigrationUnsupported(f"schedule v{a.version}: {e}") from None
+            self._checked = part
         return part
 
     def moved(self, a: Assignment) -> bool:

@@ -18,7 +18,9 @@ from runtime_adapter.assignment import Worker
 
 
 class MigrationError(RuntimeError):
-    """The layers cannot move: some layer has no live holder (the job needs a restore)."""
+    """The layers cannot move: some layer (or a stage's state) has no live holder. Every worker of
+    the version finds the same, and leaves for a restore (worker.py: EXIT_NEEDS_RESTORE, a `lost`
+    record)."""
 
 
 @dataclass(frozen=True)

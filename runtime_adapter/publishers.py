@@ -128,6 +128,12 @@ class Publisher(Protocol):
         refused us for good."""
         ...
 
+    def restore_lost(self, left: Sequence[tuple[Worker, str]], reason: str) -> Outcome:
+        """The job's state is lost although no stage lost every worker (`reason`: e.g. a layer to
+        migrate without a live holder; `left`: the workers that left for it, each with the event_id
+        of its exit): publish a restore from the newest complete checkpoint, as for a lost stage."""
+        ...
+
     def latest_restore(self) -> Restore | None:
         """The newest restore published (None: none yet)."""
         ...
@@ -203,6 +209,13 @@ class FilePublisher:
         if lost:
             return Outcome(self._publish_restore() if self.checkpoints is not None else None, lost)
         return Outcome(self._publish())
+
+    def restore_lost(self, left: Sequence[tuple[Worker, str]], reason: str) -> Outcome:
+        """See Publisher.restore_lost: the restore version (nothing without a checkpoint directory)."""
+        if self.checkpoints is None:
+            return Outcome(None)
+        logger.warning("%s: the job's state is lost", reason)
+        return Outcome(self._publish_restore())
 
     def flush(self) -> list[int]:
         """Nothing is ever pending."""

@@ -191,6 +191,21 @@ class ServicePublisher:
         outcomes = self._drain()
         return outcomes.get(event_id, Outcome(None))
 
+    def restore_lost(self, left: Sequence[tuple[Worker, str]], reason: str) -> Outcome:
+        """See Publisher.restore_lost. The service has no event for it: each worker that left is
+        reported failed (`fail`, the given event_id: it is not running), until the service answers
+        with a restore (restore policy auto: when a stage has no worker left) or every one was sent."""
+        before = self.latest_restore()
+        lost: set[int] = set()
+        version = None
+        for w, event_id in left:
+            outcome = self.report("fail", [w], reason, event_id)
+            version, restore = outcome.version, self.latest_restore()
+            lost.update(outcome.lost_stages)
+            if restore is not None and (before is None or restore.epoch > before.epoch):
+                break
+        return Outcome(version, sorted(lost))
+
     def flush(self) -> list[int]:
         """See Publisher.flush."""
         if self.follower is not None and self.follower.error is not None:

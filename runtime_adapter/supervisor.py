@@ -6,12 +6,15 @@ Unlike torchrun's agent, a dead worker does not take the others down. Each super
 - reaps exited workers. Exit 0: finished. A first start that exits with an error before its first
   step, or exit 2 at any time, is a configuration error (WorkerStartupError; every worker is
   stopped). EXIT_NEEDS_RESTORE: the worker saw a lost stage and could not load in place; it is simply
-  not running, and the next restore epoch restarts it. EXIT_DROPPED: the schedule lists it failed
-  although it lived (e.g. a healed partition): restarted as a fresh re-joiner and a `rejoin`
-  reported, up to `max_rejoins` times per worker (unless `rejoin_dropped` is off). Anything else
-  is a death: reported at once as a `fail` event with the id `agent-<agent id>-fail-<d>.<s>-<pid>`
-  (the same id on every retry through the publisher's outbox), and with `keep_standby` its warm
-  standby is activated (a `rejoin`) and a new one started.
+  not running, and the next restore epoch restarts it. If it left with a `lost` record (its version
+  needed state no live worker holds, e.g. a layer to migrate whose every holder died: the controller
+  cannot know), the supervisor asks the publisher for a restore (`on_state_lost`); one that left a
+  version older than the restore it already followed is restarted into that restore at once.
+  EXIT_DROPPED: the schedule lists it failed although it lived (e.g. a healed partition): restarted
+  as a fresh re-joiner and a `rejoin` reported, up to `max_rejoins` times per worker (unless
+  `rejoin_dropped` is off). Anything else is a death: reported at once as a `fail` event with the
+  id `agent-<agent id>-fail-<d>.<s>-<pid>` (the same id on every retry through the publisher's
+  outbox), and with `keep_standby` its warm standby is activated (a `rejoin`) and a new one started.
 - follows restores: when the publisher shows a restore epoch above the last one followed (the
   FilePublisher publishes one itself when a failure loses a stage; the service does, and its
   publisher follows the job's versions), every local worker that is not running is restarted with
@@ -77,6 +80,10 @@ class Supervisor(WorkerProcesses):
         self.restores = 0
         self.lost: list[int] = []  # stages a report found lost, until the restore comes
         self.restore_due: float | None = None  # since when a restore is expected (lost or waiting)
+        self.state_lost: dict[Worker, tuple[int, str, int]] = {}  # left with a `lost` record: (version,
+        # why, pid), until the restore is asked for
+        self.lost_why = ""  # the state loss the next restore answers
+        self.followed: Restore | None = None  # the newest restore followed
 
     def _reap(self) -> list[tuple[Worker, int]]:
         """Classify the exits since the last tick; the deaths (worker, exit code)."""
@@ -98,8 +105,17 @@ class Supervisor(WorkerProcesses):
                 self.terminate()
                 raise WorkerStartupError(w, code, log_error(log), log, at_start=it is None)
             if code == EXIT_NEEDS_RESTORE:
-                logger.warning("worker %s stopped for a restore (exit %d)", list(w), code)
+                lost = self.lost_state(w, p.pid)
+                if lost is not None and self.followed is not None and self.followed.version > lost[0]:
+                    logger.warning("worker %s left v%d (%s): restarting it into restore epoch %d",
+                                   list(w), lost[0], lost[1], self.followed.epoch)  # fmt: skip
+                    self._spawn(w, restore=self.followed)
+                    continue
+                logger.warning("worker %s stopped for a restore (exit %d)%s", list(w), code,
+                               "" if lost is None else f": v{lost[0]}: {lost[1]}")  # fmt: skip
                 self.waiting.add(w)
+                if lost is not None:
+                    self.state_lost[w] = (lost[0], lost[1], p.pid)
                 self.restore_due = self.restore_due or time.monotonic()
                 continue
             logger.warning("worker %s exited with %s", list(w), code)
@@ -130,6 +146,8 @@ class Supervisor(WorkerProcesses):
             if self.keep_standby and self.standbys.get(w) and not lost:
                 self.activate(w)
                 self.add_standby(w)
+        if self.state_lost and self._new_restore() is None:
+            lost.update(self._ask_restore())
         if lost:
             self.lost = sorted(lost | set(self.lost))
             self.restore_due = self.restore_due or time.monotonic()
@@ -141,7 +159,9 @@ class Supervisor(WorkerProcesses):
         due, limit = self.restore_due, self.restore_wait_s
         if due is not None and limit is not None and time.monotonic() - due > limit:
             self.terminate()
-            what = f"stage(s) {self.lost} lost" if self.lost else "a worker saw needs_restore"
+            what = self.lost_why or (
+                f"stage(s) {self.lost} lost" if self.lost else "a worker saw needs_restore"
+            )
             raise LaunchError(f"{what}: no restore version was published within {limit:g} s")
         return [w for w, _ in died]
 
@@ -154,6 +174,26 @@ class Supervisor(WorkerProcesses):
             return
         self.rejoins[w] = n + 1
         self.restart(w)
+
+    def _ask_restore(self) -> list[int]:
+        """Workers left with a `lost` record: ask for a restore (on_state_lost); the stages the
+        publisher's answer names lost."""
+        pending, self.state_lost = sorted(self.state_lost.items()), {}
+        version, why, _ = pending[0][1]
+        self.lost_why = f"v{version}: {why}"
+        return self.on_state_lost(
+            self.lost_why, [(w, self.event_id("fail", w, pid)) for w, (_, _, pid) in pending]
+        )
+
+    def on_state_lost(self, why: str, left: list[tuple[Worker, str]]) -> list[int]:
+        """The job's state is lost (`why`; `left`: the workers that left for it, with the event_id of
+        their exit): ask the publisher for a restore from the newest complete checkpoint (unless
+        deaths are left to the service's heartbeats, which then declare them failed); the stages
+        its answer names lost (the Launcher gives up instead without checkpoints)."""
+        logger.error("%s: the job's state is lost; asking for a restore", why)
+        if not self.report_failures:
+            return []
+        return self.publisher.restore_lost(left, why).lost_stages
 
     def on_lost(self, stages: list[int]) -> None:
         """A report found `stages` lost and no restore is published yet (the Launcher gives up when it
@@ -168,13 +208,16 @@ class Supervisor(WorkerProcesses):
 
     def _follow(self, restore: Restore) -> None:
         """Restart every local worker that is not running in restore epoch `restore.epoch`."""
-        if self.lost:
+        if self.lost_why:
+            why = self.lost_why
+        elif self.lost:
             why = f"stage(s) {self.lost} lost (all their workers failed)"
         elif self.waiting:
             why = "a worker saw needs_restore"
         else:
             why = f"restore epoch {restore.epoch} published"
         self.epoch, self.lost, self.restore_due = restore.epoch, [], None
+        self.followed, self.state_lost, self.lost_why = restore, {}, ""
         self.restores += 1
         self.check_restore(why)
         down = []

@@ -7,6 +7,7 @@ supervisor's policy.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -55,6 +56,25 @@ class WorkerProcesses:
     def acct_path(self, w: Worker) -> Path:
         """Worker `w`'s accounting file (JSON lines, appended by every process of `w`)."""
         return self.spec.out_dir / f"acct_{w[0]}_{w[1]}.jsonl"
+
+    def lost_state(self, w: Worker, pid: int) -> tuple[int, str] | None:
+        """(version, why) of the `lost` record process `pid` of `w` wrote (its version needed state no
+        live worker holds: worker.py), None if it wrote none."""
+        path, offset = self.acct_path(w), self._started.get(pid, (None, 0, False))[1]
+        try:
+            with path.open("rb") as f:
+                f.seek(offset)
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return None
+        for line in reversed(lines):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and rec.get("event") == "lost":
+                return int(rec.get("version", 0)), str(rec.get("why", "state lost"))
+        return None
 
     def event_id(self, kind: str, w: Worker, pid: int) -> str:
         """`agent-<agent id>-<kind>-<d>.<s>-<pid>`: unique per process, the same on every retry."""

@@ -20,6 +20,9 @@ optimizer, or re-initialise them, and then recover as above: survivors are not r
 ends the process with EXIT_NEEDS_RESTORE otherwise. A version listing this worker alive since another
 version than the one it joined at (and no newer restore) ends it with EXIT_DROPPED, touching nothing.
 A process restarted for a restore starts with `resume_at` (the checkpoint) and `restore_epoch`.
+A version whose recovery needs state no live worker holds (a layer to migrate, or a stage whose alive
+workers are all re-joiners: MigrationError) ends the process with EXIT_NEEDS_RESTORE and a `lost`
+record: its launcher or agent asks for a restore.
 
 The checkpoint side (writing, loading, restoring in place) is worker_restore.py; the options, exit
 codes, fault injection and log prefix are worker_options.py (their names stay importable from here).
@@ -54,6 +57,7 @@ from runtime_adapter.entry import load_entry
 from runtime_adapter.executor import Executor
 from runtime_adapter.incarnation import Incarnation, Verdict
 from runtime_adapter.migration import Migrator
+from runtime_adapter.migration_plan import MigrationError
 from runtime_adapter.rendezvous import connect_groups
 from runtime_adapter.settings import runtime_settings
 from runtime_adapter.stage import StageRunner, check_training
@@ -178,11 +182,26 @@ class WorkerProcess:
                 break
             except Interrupted as e:
                 logger.info("v%d: %s", a.version, e)
+            except MigrationError as e:  # a layer (or a stage's state) without a live holder
+                return self._lost(a, e)
             except (RuntimeError, dist.DistError) as e:
                 logger.warning("v%d: communication failed (%s); waiting for a new version", a.version, e)
         self._save()
         self.client.done()  # stop polling; the service must not take the silence for a failure
         return 0
+
+    def _lost(self, a: Assignment, e: MigrationError) -> int:
+        """Version `a` needs state that no live worker holds (every worker of `a` finds the same): the
+        job's state is lost. Leave as for a restore (EXIT_NEEDS_RESTORE), with a `lost` record that
+        tells the launcher or agent why (it asks the controller for a restore from the newest complete
+        checkpoint, from before any move: docs/runtime.md "Layer migration")."""
+        logger.error(
+            "v%d: %s: the job's state is lost; leaving for a restore from a checkpoint", a.version, e
+        )
+        self._log({"event": "lost", "version": a.version, "why": str(e)})
+        self.checkpoints.close()
+        self.acct.close()
+        return EXIT_NEEDS_RESTORE
 
     def _restore_in_place(self, a: Assignment) -> bool:
         """Take `a`'s restore without a restart (StageCheckpoints.load_restore), then belong to its
@@ -230,8 +249,8 @@ class WorkerProcess:
         # state transfer on the stage group: source = lowest-ranked veteran, if anyone is fresh
         rank = groups.stage_rank[a.worker]
         src, not_fresh = allreduce_min(groups, [FRESH if self.fresh else rank, 0 if self.fresh else 1], True)
-        if src >= FRESH:
-            raise RuntimeError(f"stage {a.worker[1]} has no veteran peer to copy state from")
+        if src >= FRESH:  # its state is lost (seen by the stage's workers; the rest by the restore)
+            raise MigrationError(f"stage {a.worker[1]}: no live worker holds its state (only re-joiners)")
         if not_fresh == 0:
             data = broadcast_bytes(groups, ex.state_bytes() if rank == src else None, src)
             if self.fresh:

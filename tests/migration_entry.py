@@ -4,7 +4,12 @@ migration (`die_building: [d, s, a, b]`): a worker dies in the middle of a layer
 sends and receives completed and before the commit all-reduce (migration.py builds the new module
 then). `--fail-at K:MIGRATE` kills before any tensor moves, and only at an iteration known in advance;
 the move back of tests/test_runtime_migration.py happens at an iteration that depends on when the
-re-joiner came, hence this entry (tests/test_runtime_migration.py)."""
+re-joiner came, hence this entry (tests/test_runtime_migration.py).
+
+`die_switching: [d, s, a, b]` kills worker [d, s] when it switches to its new module for layers
+[a, b): after the commit all-reduce completed (every peer may switch), before its own switch (the
+optimizer of the new module is being built): a death inside the commit that leaves a moved layer
+without a live holder (tests/test_runtime_migration_lost.py)."""
 
 from __future__ import annotations
 
@@ -25,16 +30,27 @@ def _is_worker(d: int, s: int) -> bool:
     return flag.get("--pipeline") == str(d) and flag.get("--stage") == str(s)
 
 
-def training(die_building: list[int] | None = None, **kwargs: Any) -> model.Training:
+def training(
+    die_building: list[int] | None = None, die_switching: list[int] | None = None, **kwargs: Any
+) -> model.Training:
     t = model.training(**kwargs)
     ranges = t.layer_ranges
-    if die_building is None or ranges is None:
+    aim = die_building or die_switching
+    if aim is None or ranges is None:
         return t
-    d, s, a, b = die_building
+    d, s, a, b = aim
+    armed = []  # die_switching: the new module was built; the next optimizer is its switch
 
     def build(stage: int, num_stages: int, layers: range) -> nn.Module:
         if _is_worker(d, s) and (layers.start, layers.stop) == (a, b):
-            os.kill(os.getpid(), signal.SIGKILL)
+            if die_building is not None:
+                os.kill(os.getpid(), signal.SIGKILL)
+            armed.append(True)
         return ranges.build(stage, num_stages, layers)
 
-    return replace(t, layer_ranges=replace(ranges, build=build))
+    def optimizer(params: list[nn.Parameter]) -> Any:
+        if armed:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return t.optimizer(params)
+
+    return replace(t, layer_ranges=replace(ranges, build=build), optimizer=optimizer)

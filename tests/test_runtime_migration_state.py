@@ -63,7 +63,7 @@ def _migrator(stage: int, num_stages: int = 2, layers: Any = _layers) -> Migrato
         optimizer=_two_groups,
         layer_ranges=layer_ranges_from_layers(layers),
     )
-    runner = StageRunner(t, stage, num_stages, torch.device("cpu"), [(2, 8)])
+    runner = StageRunner(t, stage, num_stages, torch.device("cpu"), [(2, 8)] * (num_stages - 1))
     return Migrator(Executor(runner.build(), runner, (0, stage), 1, 1), num_stages)
 
 
