@@ -180,7 +180,7 @@ def _check_training(args: argparse.Namespace, job: JobSpec, model: dict[str, Any
 
     training = load_entry(args.entry, model)
     check_training(training, job.num_stages, job.num_pipelines, job.num_microbatches)
-    if args.repartition:
+    if getattr(args, "repartition", False):  # `recycle agent` attaches: the job says, not a flag
         _check_repartition(args, job, training.layer_ranges is not None)
     device, backend, why = job_devices(args.device, args.backend, job.num_pipelines * job.num_stages)
     if why:
