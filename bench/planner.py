@@ -7,8 +7,9 @@ imports the planner only, never the dispatcher.
 
 For every instance and failure case it prints and records: failure-free 1F1B, naive re-route,
 1F1B on the surviving pipelines, adaptive greedy, adaptive final (CP-SAT where it ran), the load
-bound and the memory-aware bound, gaps, solve time and peak memory. Writes results.json and
-results.md (a markdown table) into --out.
+bound and the memory-aware bound, gaps, solve time (wall and this process's CPU, with the load
+average: the machine may be shared) and peak memory. `--cases` runs a subset of the failure cases
+(e.g. '3 adjacent'). Writes results.json and results.md (a markdown table) into --out.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from planner.errors import InvalidInputError, PlannerError, ScheduleRuleError
 from planner.outputs import format_cell, render_table
 from planner.plan import plan
 from planner.simulator import validate
+
+CASE_LABELS = ("none", "1", "2 spread", "2 one stage", "3 spread", "3 adjacent", "3 one stage")
 
 
 def failure_cases(job: JobSpec, max_failures: int) -> list[tuple[str, list[tuple[int, int]]]]:
@@ -74,9 +77,9 @@ def _baseline_ms(name: str, job: JobSpec, scenario: FailureScenario) -> float | 
 def bench_case(job: JobSpec, failed: list[tuple[int, int]], time_limit: timedelta) -> dict[str, object]:
     """All figures of one (instance, failure set) case."""
     scenario = FailureScenario(failed=failed)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     result = plan(job, scenario, time_limit=time_limit)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     rep = result.report
     return {
         "job": job.name,
@@ -95,9 +98,19 @@ def bench_case(job: JobSpec, failed: list[tuple[int, int]], time_limit: timedelt
         "ratio_to_memory_bound": result.iteration_time_ms / result.memory_bound_ms,
         "greedy_s": result.greedy_s,
         "plan_s": wall,
+        "plan_cpu_s": cpu,  # this process's CPU time: on a shared machine the wall time is not the cost
+        "loadavg_1min": _loadavg(),
         "peak_memory_mib": max(rep.peak_memory_by_stage),
         "capacity_mib": job.capacity_mib(0),
     }
+
+
+def _loadavg() -> float | None:
+    """The 1-minute load average when the case finished (None where /proc is absent)."""
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _fmt(v: object) -> object:
@@ -119,6 +132,8 @@ def to_markdown(rows: list[dict[str, object]]) -> str:
         "/memLB",
         "by",
         "plan s",
+        "cpu s",
+        "load",
         "peak MiB",
     ]
     body = [
@@ -136,6 +151,8 @@ def to_markdown(rows: list[dict[str, object]]) -> str:
             f"{r['ratio_to_memory_bound']:.4f}",
             f"{r['source']} ({r['cpsat_status']})" if r["cpsat_status"] else r["source"],
             f"{r['plan_s']:.2f}",
+            f"{r['plan_cpu_s']:.2f}" if "plan_cpu_s" in r else "-",
+            "-" if r.get("loadavg_1min") is None else f"{r['loadavg_1min']:.1f}",
             r["peak_memory_mib"],
         ]
         for r in rows
@@ -156,13 +173,16 @@ def run_bench(args: argparse.Namespace) -> int:
     for path in paths:
         job = read_document(path, JobSpec, "job spec")
         for label, failed in failure_cases(job, args.max_failures):
+            if args.cases and label not in args.cases:
+                continue
             row = bench_case(job, failed, timedelta(seconds=args.time_limit))
             row["case"] = label
             rows.append(row)
             print(
                 f"{job.name:24s} {label:12s} {row['failed']!s:28s} adaptive {row['adaptive_ms']:9.3f} ms"
                 f"  /LB {row['ratio_to_load_bound']:.4f}  /memLB {row['ratio_to_memory_bound']:.4f}"
-                f"  naive {format_cell(row['naive_reroute_ms'])}  {row['plan_s']:.2f}s",
+                f"  naive {format_cell(row['naive_reroute_ms'])}  {row['plan_s']:.2f}s"
+                f" (cpu {row['plan_cpu_s']:.2f}s, load {_fmt(row['loadavg_1min'])})",
                 flush=True,
             )
             (out / "results.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
@@ -192,6 +212,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "--time-limit", type=finite_float, default=10.0, help="CP-SAT time limit per case, seconds"
     )
     b.add_argument("--max-failures", type=int, default=3, help="failure counts 0..N (default 3)")
+    b.add_argument(
+        "--cases",
+        nargs="+",
+        choices=CASE_LABELS,
+        help="only these failure cases (e.g. --cases '3 adjacent'); default: all",
+    )
     b.set_defaults(func=cmd_bench)
 
 

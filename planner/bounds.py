@@ -94,7 +94,10 @@ def memory_bound(job: JobSpec, scenario: FailureScenario) -> float:
     min(n, capacity / activation) Fs that can cover it. That cost never decreases with n (one more
     micro-batch adds F+B+W and covers at most one F of idle), so the greedy min-max allocation on it
     is optimal over all allocations, and its busiest worker bounds the period of the stage.
-    Without a memory capacity the warm-up idle is not counted (the bound is the load bound).
+    Without a memory capacity the warm-up idle is not counted (the bound is the load bound). With
+    one, a worker of a later stage also bounds stage 0's cycle, which must wrap around its F+B
+    pairs (`_around_ms`), one F longer for some workers of a stage after one that lost workers
+    (planner/bounds_conflict.py); docs/planner.md section 2 derives both.
     """
     failed = {tuple(w) for w in scenario.failed}
     num_d, num_s = job.num_pipelines, job.num_stages
@@ -107,6 +110,7 @@ def memory_bound(job: JobSpec, scenario: FailureScenario) -> float:
         prof = job.stages[s]
         fastest = min(factors[s].values(), default=1.0)  # a stage with no alive worker: no bound here
         tail[s] = tail[s + 1] + (prof.forward + prof.backward_input) * fastest + 2 * hop
+    around = _around_ms(job, factors, hop)
     best = 0.0
     for s in range(num_s):
         if not factors[s]:
@@ -123,11 +127,15 @@ def memory_bound(job: JobSpec, scenario: FailureScenario) -> float:
             idle = (
                 0.0 if cap is None or n == 0 else max(0.0, trip - min(fits, n) * job.stages[s].forward * phi)
             )
-            return n * work * phi + idle + job.stages[s].optimizer * phi
+            own = n * work * phi + idle + job.stages[s].optimizer * phi + job.allreduce_ms(s)
+            if cap is None or s == 0 or n == 0:
+                return own
+            pair = job.stages[s].forward + job.stages[s].backward_input  # the round-trip term
+            return max(own, around[s] + n * pair * phi + idle)
 
         if len(set(factors[s].values())) == 1:  # identical peers: the busiest hosts ceil(total/alive)
             busiest = -(-num_d * job.num_microbatches // len(factors[s]))
-            best = max(best, cost(next(iter(factors[s])), busiest) + job.allreduce_ms(s))
+            best = max(best, cost(next(iter(factors[s])), busiest))
             continue
         counts = dict.fromkeys(factors[s], 0)
         heap = [(cost(d, 1), d) for d in counts]
@@ -138,5 +146,31 @@ def memory_bound(job: JobSpec, scenario: FailureScenario) -> float:
             counts[d] += 1
             top = max(top, c)
             heapq.heappush(heap, (cost(d, counts[d] + 1), d))
-        best = max(best, top + job.allreduce_ms(s))
+        best = max(best, top)
+    lost: dict[int, int] = {}
+    for _, s in failed:
+        lost[s] = lost.get(s, 0) + 1
+    if lost:  # the first-F conflict at a stage that lost workers (planner/bounds_conflict.py)
+        from planner.bounds_conflict import first_f_conflict_ms
+
+        best = max(best, first_f_conflict_ms(job, factors, lost, around, tail))
     return best
+
+
+def _around_ms(job: JobSpec, factors: list[dict[int, float]], hop: float) -> list[float]:
+    """around[s]: the least time stage 0's cycle spends outside a worker of stage s >= 1.
+
+    Every F of iteration k starts after the earliest stage-0 OPT end O0(k); so the worker's first F
+    starts at least the F path (F at stages 0..s-1, fastest alive peers, a hop each) after O0(k).
+    From its first F to its last B it runs n F+B and waits its warm-up idle (`warmup_idle_ms`).
+    That B's micro-batch then needs B at stages s-1..0 (hops), W at stage 0, the all-reduce and
+    the stage-0 OPT before any stage-0 worker starts iteration k+1 (docs/planner.md section 2).
+    """
+    fast = [min(f.values(), default=1.0) for f in factors]
+    prof = job.stages
+    around = [0.0] * job.num_stages
+    for s in range(1, job.num_stages):
+        p = prof[s - 1]
+        around[s] = around[s - 1] + (p.forward + p.backward_input) * fast[s - 1] + 2 * hop
+    end = (prof[0].backward_weight + prof[0].optimizer) * fast[0] + job.allreduce_ms(0)
+    return [a + end for a in around]

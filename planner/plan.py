@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import lru_cache
 
-from planner.adaptive.greedy import GreedyOptions, run_greedy
+from planner.adaptive.greedy import GreedyOptions
+from planner.adaptive.lookahead import LookaheadOptions, round_trips_covered, run_policy, slack_stages
 from planner.bounds import load_bound, memory_bound
 from planner.contract import FailureScenario, JobSpec, Schedule
 from planner.normalize import Normalized, job_fingerprint, normalize, to_physical
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 GAIN_THRESHOLD = 1e-3  # a schedule within 0.1% of the best bound is not worth a solve
 GOOD_ENOUGH = 5e-4  # the greedy portfolio stops within 0.05% of the best bound
 HOST_SEARCH_SHARE = 0.7  # share of the greedy budget kept for the host-map search (host_search.py)
+CRITICAL_BUDGET = 2.0  # the critical-cycle search's budget on a reduced grid, in greedy budgets
 SMALL_OPS = 12_000  # up to this many ops per iteration the greedy simulates more iterations
 
 # Tried in order; stops early once a schedule meets the bound. Each differs in how eagerly deferred
@@ -46,6 +48,10 @@ PORTFOLIO: tuple[GreedyOptions, ...] = (
     GreedyOptions(w_patience=0.3, inflight_extra=2),
     GreedyOptions(w_patience=0.6, inflight_extra=2),
 )
+
+# Tried where a stage has slack (docs/planner.md 4c), on the first host map whatever the budget:
+# neither patience is best everywhere (0.6 can be 8% off when stage 0 is in the saturated chain).
+LOOKAHEAD: tuple[LookaheadOptions, ...] = (LookaheadOptions(b_patience=0.3), LookaheadOptions(b_patience=0.6))
 
 Progress = Callable[[str], None]
 
@@ -173,6 +179,41 @@ def baseline_candidates(job: JobSpec, scenario: FailureScenario, problem: Proble
     return out
 
 
+def _redeferred(best: Candidate) -> Candidate:
+    """`best`, or its F/B skeleton with the Ws re-placed by ZB's delays where that is faster
+    (planner/adaptive/zb_delays.py `redeferred_orders`; two replays)."""
+    from planner.adaptive.zb_delays import redeferred_orders
+
+    base = best
+    for name, orders in redeferred_orders(base.problem, base.orders).items():
+        if not _fits_memory(base.problem, orders):
+            continue
+        sched = to_schedule(base.problem, orders, strategy=name)
+        if sched.iteration_time_ms < best.schedule.iteration_time_ms - 1e-9:
+            best = Candidate(base.problem, orders, sched, f"{base.label}+{name}")
+    return best
+
+
+def _critical(seeds: list[Candidate], target_ms: float, budget_s: float) -> Candidate:
+    """The best of `seeds` and of what the critical-cycle search (planner/adaptive/critical_moves.py)
+    makes of each, fastest seed first, within `budget_s` seconds for all: a search stuck in a local
+    optimum ends early and leaves its time to the next seed."""
+    from planner.adaptive.critical_moves import critical_search
+
+    t0 = time.perf_counter()
+    best = min(seeds, key=lambda c: c.schedule.iteration_time_ms)
+    for seed in sorted(seeds, key=lambda c: c.schedule.iteration_time_ms):
+        left = budget_s - (time.perf_counter() - t0)
+        if left <= 0 or best.schedule.iteration_time_ms <= target_ms:
+            break
+        ms = seed.schedule.iteration_time_ms
+        found = critical_search(seed.problem, seed.orders, ms, target_ms, left, _fits_memory)
+        if found is not None and found[1] < best.schedule.iteration_time_ms - 1e-9:
+            sched = to_schedule(seed.problem, found[0], strategy="critical")
+            best = Candidate(seed.problem, found[0], sched, f"{seed.label}+critical")
+    return best
+
+
 def host_variants(job: JobSpec, scenario: FailureScenario) -> list[Problem]:
     """Balanced host maps that differ in which peers take the micro-batches that do not divide
     evenly: ascending pipelines, descending, and pipelines alive at the most failed stages first."""
@@ -211,15 +252,24 @@ def plan_greedy(
     problems = problems or host_variants(job, scenario)
     num_ops = 3 * job.num_pipelines * job.num_microbatches * job.num_stages
     iterations = 6 if num_ops <= SMALL_OPS else 4
+    # Where a stage has slack, the look-ahead policies (planner/adaptive/lookahead.py). Where memory
+    # covers every round trip they run on the first host map, like the default one on every host
+    # map, whatever the budget: the first right after the default policy there, the others after
+    # the default on every map (then on the other maps); where it does not (-mem1x) they come last,
+    # within the budget only: earlier they took budget from policies that did better there.
+    looks = LOOKAHEAD if slack_stages(problems[0]) else ()
+    first = bool(looks) and round_trips_covered(problems[0])
+    policies = (PORTFOLIO[0], *looks, *PORTFOLIO[1:]) if first else (*PORTFOLIO, *looks)
     trials = [
-        (dataclasses.replace(opts, num_iterations=iterations), prob)
-        for opts in PORTFOLIO
-        for prob in problems
+        (dataclasses.replace(opts, num_iterations=iterations), prob) for opts in policies for prob in problems
     ]
+    for k in range(len(looks) if first else 0):  # (look k, first map) sits at (k+1)*len(problems)
+        trials.insert(1 if k == 0 else len(problems) + k, trials.pop((k + 1) * len(problems)))
+    guaranteed = len(problems) + (len(looks) if first else 0)
     target_ms *= 1 + GOOD_ENOUGH
     best: Candidate | None = None
     for i, (opts, problem) in enumerate(trials):
-        run = run_greedy(problem, opts)
+        run = run_policy(problem, opts)
         seen: list[Orders] = []
         for orders in reversed(run.orders_by_iteration):
             if orders in seen:
@@ -238,8 +288,8 @@ def plan_greedy(
             )
         if best.schedule.iteration_time_ms <= target_ms * (1 + 1e-9):
             break
-        if i + 1 >= len(problems) and time.perf_counter() - t0 > budget_s:
-            break  # the default policy always gets every host map; the rest only within budget
+        if i + 1 >= guaranteed and time.perf_counter() - t0 > budget_s:
+            break  # the default policy always gets every host map (see above); the rest within budget
     assert best is not None
     return best
 
@@ -299,13 +349,18 @@ def plan(
         problems=variants,
     )
     if best.schedule.iteration_time_ms > mb * (1 + 1e-9):
-        # A reduced grid has two host maps and cheap replays: the baselines run on each.
+        best = _redeferred(best)  # the greedy's skeleton with ZB's W placement
+        seeds = [best]
+        # A reduced grid has up to three host maps and cheap replays: the baselines run on each.
         for prob in variants or [best.problem]:
             for cand in baseline_candidates(small, norm.scenario, prob):
                 if red is not None and not stand_in_own(red, cand.problem):
                     continue
                 if cand.schedule.iteration_time_ms < best.schedule.iteration_time_ms - 1e-9:
                     best = cand
+        if red is not None:  # cheap replays: the critical-cycle search gets twice the greedy budget
+            seeds += [best] if best is not seeds[0] else []  # the greedy's and the best baseline
+            best = _critical(seeds, mb * (1 + GOOD_ENOUGH), CRITICAL_BUDGET * budget_s)
     cpsat_limit = time_limit
     if search and best.schedule.iteration_time_ms > mb * (1 + GAIN_THRESHOLD):
         # Where memory binds (mb > lb) the search never paid. It spends what the portfolio left of the

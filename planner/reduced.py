@@ -64,8 +64,11 @@ def reduced_pipelines(job: JobSpec, scenario: FailureScenario) -> int | None:
     lost: dict[int, int] = {}
     for _, s in scenario.failed:
         lost[s] = lost.get(s, 0) + 1
-    # Each stage's k lost workers' k*M micro-batches go one each to k*M peers of the reduced grid.
+    # Each stage's k lost workers' k*M micro-batches go one each to k*M peers of the reduced grid;
+    # where failures sit at several stages, to peers that take none at another stage (`disjoint`).
     start = max([len(touched) + 1] + [k * (num_m + 1) + 1 for k in lost.values()])
+    if len(lost) > 1:
+        start = max(start, len(touched) + num_m * sum(lost.values()) + 1)
     # Identical peers: the full grid's busiest worker of stage s hosts ceil(D*M / alive_s).
     full = [-(-num_d * num_m // (num_d - lost.get(s, 0))) for s in range(job.num_stages)]
     for size in range(start, min(start + 4, num_d)):
@@ -90,15 +93,43 @@ def reduce_job(job: JobSpec, scenario: FailureScenario) -> Reduced | None:
 
 def host_variants(red: Reduced, scenario: FailureScenario) -> list[Problem]:
     """Balanced host maps of the reduced job in which the stand-in hosts only its own micro-batches:
-    extras preferred on the untouched peers first, or on the touched pipelines first."""
+    extras on disjoint untouched peers per failed stage (`disjoint`), preferred on the untouched
+    peers first, or on the touched pipelines first."""
     size, touched = red.num_pipelines, sorted({d for d, _ in scenario.failed})
     peers = [d for d in range(size - 1) if d not in touched]
-    problems: list[Problem] = []
+    candidates = [disjoint(red, scenario)]
     for prefer in (peers + touched + [size - 1], touched + peers + [size - 1]):
-        prob = Problem.build(red.job, scenario, prefer=prefer)
+        candidates.append(Problem.build(red.job, scenario, prefer=prefer))
+    problems: list[Problem] = []
+    for prob in candidates:
         if stand_in_own(red, prob) and all(prob.host != other.host for other in problems):
             problems.append(prob)
     return problems
+
+
+def disjoint(red: Reduced, scenario: FailureScenario) -> Problem:
+    """The balanced host map whose untouched peers take extras at one failed stage at most.
+
+    A peer that hosts a re-routed micro-batch runs one more F in its warm-up, where its own Fs
+    arrive about one F apart: its own stream falls an F behind, at every stage where it takes one.
+    On llama3-405b-p16d128 with failures at stages 1, 2 and 3 the same 16 peers took the extras of
+    all three, and their last stage started its F+B pairs three Fs late (docs/benchmarks.md, llama3).
+    Stage s's k_s*M extras go to the next k_s*M peers (`reduced_pipelines` keeps enough of them).
+    """
+    size, touched = red.num_pipelines, sorted({d for d, _ in scenario.failed})
+    peers = [d for d in range(size - 1) if d not in touched]
+    lost: dict[int, int] = {}
+    for _, s in scenario.failed:
+        lost[s] = lost.get(s, 0) + 1
+    prob = Problem.build(red.job, scenario, prefer=peers + touched + [size - 1])
+    taken = 0
+    for s in sorted(lost):
+        block = peers[taken : taken + lost[s] * red.job.num_microbatches]
+        taken += len(block)
+        rest = [d for d in peers if d not in block]
+        stage = Problem.build(red.job, scenario, prefer=block + rest + touched + [size - 1])
+        prob.host.update({key: h for key, h in stage.host.items() if key[0] == s})
+    return prob
 
 
 def stand_in_own(red: Reduced, problem: Problem) -> bool:

@@ -35,7 +35,8 @@ class PlannerSettings(BaseSettings):
         ge=0,
         description="How long the greedy portfolio may try further policies, seconds (never longer than "
         "the plan's time limit); where the host-map search applies (docs/planner.md 4b) the portfolio gets "
-        "30% of it and the search the rest.",
+        "30% of it and the search the rest; on a reduced grid (3b) the critical-cycle search (4d) then "
+        "gets twice it.",
     )
     cpsat_max_ops: int = Field(
         default=8000, ge=0, description="Largest model (ops per iteration) given to CP-SAT; larger: greedy."

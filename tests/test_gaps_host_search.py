@@ -70,9 +70,11 @@ def test_search_keeps_counts_and_only_improves(case: tuple[JobSpec, FailureScena
 
 
 @pytest.mark.timeout(150)
-def test_adjacent_failures_on_67b_within_half_a_percent() -> None:
-    """The case that motivated the search: the greedy alone is 1.0158x the load bound on the three
+def test_adjacent_failures_on_67b_within_half_a_percent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The case that motivated the search: the default greedy policy alone (no look-ahead, which
+    closes this gap by itself: tests/test_lookahead.py) is 1.0158x the load bound on the three
     balanced host maps; a seeded search of at most 64 greedy runs gets within 0.5%."""
+    monkeypatch.setattr("planner.plan.slack_stages", lambda problem: set())
     job = JobSpec.model_validate_json(
         (Path(__file__).parents[1] / "examples" / "gpt3-6.7b-p8d4.json").read_text()
     )

@@ -1,0 +1,117 @@
+"""Where a plan's busiest workers idle, against the terms of the bounds (issue 13).
+
+    python -m bench.idle_breakdown JOB.json [--failed D,S ...] [--time-limit S]
+
+Plans the scenario (`plan()`), replays its orders for ITERATIONS iterations with the referee's
+clock and splits, in the last one, each stage's busiest worker's period into: its load (F+B+W),
+the all-reduce and OPT (the load bound's terms), and idle by where it falls: before its first op
+(waiting for its first F: the stage's iteration started before the F reached it), between its
+first op and its first B (the memory-aware bound's warm-up idle, at most), in the middle, and before
+its OPT beyond the all-reduce (waiting for a peer's last W). One line per stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import timedelta
+
+from pydantic import ValidationError
+
+from planner.bounds import warmup_idle_ms
+from planner.cli_io import finite_float, read_document
+from planner.contract import FailureScenario, JobSpec, Schedule
+from planner.errors import InvalidInputError
+from planner.plan import plan
+from planner.simulator.engine import _Clock, build_graph, topological_order
+from planner.simulator.structure import check_structure
+
+ITERATIONS = 12
+COLUMNS = (
+    "stage",
+    "worker",
+    "n",
+    "period",
+    "load",
+    "ar+opt",
+    "first F",
+    "first B",
+    "middle",
+    "at OPT",
+    "warm-up LB",
+)
+
+
+def breakdown(job: JobSpec, scenario: FailureScenario, schedule: Schedule) -> list[dict[str, float]]:
+    """Per stage, the busiest worker's period split as the module doc says (last replayed iteration)."""
+    lay = check_structure(job, scenario, schedule)
+    graph = build_graph(job, lay)
+    clock = _Clock(lay, graph, topological_order(lay, graph))
+    prev_free: list[float] = []
+    for _ in range(ITERATIONS):
+        prev_free = list(clock.free)
+        start, end = clock.iteration()
+    rows = []
+    actions = {(ws.worker[0], ws.worker[1]): ws.actions for ws in schedule.workers}
+    for s in range(job.num_stages):
+        i, w = max(
+            ((i, w) for i, w in enumerate(lay.workers) if w[1] == s),
+            key=lambda iw: sum(graph.duration[lay.first[iw[0]] : lay.first[iw[0] + 1]]),
+        )
+        a, b = lay.first[i], lay.first[i + 1]
+        ops = [act.op for act in actions[w]]
+        top = sum(1 for op in ops if op == "F")
+        gaps = [start[a] - prev_free[i]] + [start[j] - end[j - 1] for j in range(a + 1, b)]
+        first_b = next(k for k, op in enumerate(ops) if op in ("B", "BW"))
+        ar = job.allreduce_ms(s)
+        opt = graph.duration[b - 1]
+        load = sum(graph.duration[a : b - 1])
+        rows.append(
+            {
+                "stage": s,
+                "worker": w[0],
+                "n": top,
+                "period": end[b - 1] - prev_free[i],
+                "load": load,
+                "ar+opt": ar + opt,
+                "first F": gaps[0],
+                "first B": sum(gaps[1 : first_b + 1]),
+                "middle": sum(gaps[first_b + 1 : -1]),
+                "at OPT": max(0.0, gaps[-1] - ar),
+                "warm-up LB": warmup_idle_ms(job, scenario, s, scenario.slow_factor(w), top),
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.idle_breakdown", description=__doc__.split("\n")[0])
+    ap.add_argument("job", help="job spec JSON")
+    ap.add_argument("--failed", nargs="*", default=[], help="failed workers as D,S (e.g. 0,1 1,2 2,3)")
+    ap.add_argument("--time-limit", type=finite_float, default=10.0, help="plan() time limit, seconds")
+    args = ap.parse_args(argv)
+    failed: list[tuple[int, int]] = []
+    for entry in args.failed:
+        parts = entry.split(",")
+        if len(parts) != 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+            ap.error(f"--failed: {entry!r} is not D,S with two integers, e.g. 0,1")
+        failed.append((int(parts[0]), int(parts[1])))
+    try:
+        job = read_document(args.job, JobSpec, "job spec")
+        scenario = FailureScenario(failed=failed)
+        result = plan(job, scenario, time_limit=timedelta(seconds=args.time_limit))
+    except (InvalidInputError, ValidationError) as exc:
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(
+        f"{job.name} {failed}: {result.iteration_time_ms:.3f} ms, load bound {result.lower_bound_ms:.3f}, "
+        f"memory-aware {result.memory_bound_ms:.3f}, by {result.source}"
+    )
+    print(" ".join(f"{c:>10s}" for c in COLUMNS))
+    for row in breakdown(job, scenario, result.schedule):
+        print(" ".join(f"{row[c]:10.2f}" if isinstance(row[c], float) else f"{row[c]:10d}" for c in COLUMNS))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
