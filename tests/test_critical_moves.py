@@ -18,7 +18,7 @@ from planner.bounds import memory_bound
 from planner.contract import FailureScenario
 from planner.normalize import normalize
 from planner.orders import to_schedule
-from planner.plan import _fits_memory
+from planner.portfolio import fits_memory as _fits_memory
 from planner.problem import Problem
 from planner.reduced import disjoint, reduce_job
 from planner.simulator import validate

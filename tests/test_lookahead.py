@@ -15,7 +15,7 @@ from planner.adaptive.lookahead import LookaheadOptions, run_policy, slack_stage
 from planner.bounds import load_bound, memory_bound
 from planner.contract import FailureScenario, JobSpec
 from planner.orders import to_schedule
-from planner.plan import plan_greedy
+from planner.portfolio import plan_greedy
 from planner.problem import Problem
 from planner.simulator import validate
 from tests import jobs
