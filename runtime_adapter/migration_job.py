@@ -1,12 +1,15 @@
 """Per-layer figures of a `Training` with layer ranges, for planning and checking a re-partition: the
 job spec's optional `layers` (docs/contract.md, issue 12) with each layer's parameter and optimizer
-state sizes measured on the model itself, and the op times of each stage split evenly over its layers.
+state sizes measured on the model itself, and the op times and memory of a layer the planner's derived
+rule's (planner.partition.layers.lightest_split: the lightest stage's figure per layer, the rest of a
+stage, e.g. the embedding or the head, its extras, which stay on that stage).
 Used by the migration tests and `python -m bench.migration` to get the plan's `migration` estimate for
 the reference GPT."""
 
 from __future__ import annotations
 
 from planner.contract import JobSpec
+from planner.partition.layers import lightest_split
 from runtime_adapter.training import Training, build_stage_module
 
 MIB = 2**20
@@ -30,15 +33,16 @@ def layer_mib(training: Training, num_stages: int, optimizer_copies: int) -> lis
 
 
 def with_layers(job: JobSpec, training: Training, optimizer_copies: int, mib_per_ms: float) -> JobSpec:
-    """`job` plus `layers` (each stage's op times and memory split evenly over its layers, the
-    resident sizes measured) and `comm.migration_mib_per_ms`."""
+    """`job` plus `layers` (every layer the lightest stage's figures per layer, so each stage's excess
+    stays its extras; the resident sizes measured) and `comm.migration_mib_per_ms`."""
     assert training.layer_ranges is not None
     sizes = layer_mib(training, job.num_stages, optimizer_copies)
+    home = training.layer_ranges.home(job.num_stages)
+    stages = [{f: float(getattr(job.stages[s], f)) for f in FIELDS} for s in range(job.num_stages)]
+    fig, _ = lightest_split(stages, [len(r) for r in home])
     layers = []
-    for s, r in enumerate(training.layer_ranges.home(job.num_stages)):
-        prof = job.stages[s]
+    for r in home:
         for i in r:
-            fig = {f: float(getattr(prof, f)) / len(r) for f in FIELDS}
             share = sizes[i] / (2 + optimizer_copies)  # one copy of the parameters
             layers.append({**fig, "param_mib": 2 * share, "optimizer_state_mib": optimizer_copies * share})
     data = job.model_dump(mode="json")

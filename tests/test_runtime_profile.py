@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from planner.contract import FailureScenario, JobSpec
+from planner.partition import layer_model
 from planner.plan import plan
 from runtime_adapter.cli import main as runtime_main
 from runtime_adapter.model import GPTConfig, gpt_training
@@ -98,9 +99,12 @@ def test_cli_layers_writes_layers_and_partition(tmp_path: Path, capsys: pytest.C
     layers = job.layer_profiles()
     assert job.partition_ranges() == [[0, 2], [2, 4]]
     assert layers is not None and len(layers) == 4 and all(x.param_mib > 0 for x in layers)
-    for stage, (a, b) in zip(job.stages, [[0, 2], [2, 4]], strict=True):  # layers scaled to the stage totals
+    extras = layer_model(job).extras  # the embedding / head: stage total - its layers, none negative
+    for stage, (a, b), ex in zip(job.stages, [[0, 2], [2, 4]], extras, strict=True):
+        assert ex["forward"] > 0
         for f in ("forward", "backward_input", "backward_weight", "activation_mib", "weight_grad_mib"):
-            assert sum(getattr(x, f) for x in layers[a:b]) == pytest.approx(getattr(stage, f))
+            assert sum(getattr(x, f) for x in layers[a:b]) + ex[f] == pytest.approx(getattr(stage, f))
+            assert ex[f] >= -1e-9
 
 
 @pytest.mark.parametrize(

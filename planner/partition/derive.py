@@ -8,9 +8,10 @@ when no layer has any); its memory capacity for activations is the job's, minus 
 optimizer state of layers it gained, plus those of layers it gave away.
 
 A stage may hold no layer (an empty range [a, a], issue 12 follow-up): its F/B/W are its extras
-alone (0 for derived per-layer figures), its optimizer time and all-reduce scale to 0 with its
-parameters (one already empty in the job's partition keeps its own), and activations and gradients
-still pass through its workers, one hop each way.
+alone (for derived per-layer figures: the embedding / head on the first / last stage, 0 on a
+middle one), its optimizer time and all-reduce scale to 0 with its parameters (one already empty
+in the job's partition keeps its own), and activations and gradients still pass through its
+workers, one hop each way.
 """
 
 from __future__ import annotations

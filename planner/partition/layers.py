@@ -1,15 +1,24 @@
 """Per-layer figures of a job (issue 12): given in the job spec, or derived from its stage figures.
 
 Given: the job spec's `layers` (and `partition`, else the default split below). Derived (when
-`layers` is absent but `model.layers` is present): each stage's op durations and per-micro-batch
-memory divided evenly over the layers it holds, so nothing is left as a stage extra; parameters
-from the model shape, 12*h^2 per layer over the tensor-parallel degree, bf16 parameters + bf16
-gradients (4 bytes per parameter) resident as `param_mib`, fp32 Adam moments + fp32 master copy
-(12 bytes per parameter) as `optimizer_state_mib` (0 when the shape is unknown).
+`layers` is absent but `model.layers` is present): every layer gets the same figures, those of the
+lightest stage per layer (`lightest_split`: per field, the least of a stage's figure over the layers
+it holds; on the shipped GPT instances a middle stage's in every field), and what a stage has
+beyond its layers' share (the embedding on the first stage, the LM head on the last) is its
+`extras`, which stay on that stage under every partition, also when it holds no layer (the
+runtime's reference GPT keeps them there too). The what-if's Oobleck-style model splits the same
+way (whatif/strategies/pipeline.py layer_units). Parameters from the model shape, 12*h^2 per layer
+over the tensor-parallel degree, bf16 parameters + bf16 gradients (4 bytes per parameter) resident
+as `param_mib`, fp32 Adam moments + fp32 master copy (12 bytes per parameter) as
+`optimizer_state_mib` (0 when the shape is unknown).
+
+Given or derived, a stage's `extras` are its figure minus the sum of its layers' under the job's
+own partition (for a measured profile, runtime_adapter/profile_layers.py: the embedding / head).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from planner.contract import JobSpec, LayerProfile
@@ -33,6 +42,20 @@ def default_partition(num_layers: int, num_stages: int) -> list[list[int]]:
     return out
 
 
+def lightest_split(
+    stages: Sequence[Mapping[str, float]], counts: Sequence[int]
+) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """(one layer's figures, each stage's extras) of stages holding `counts` equal layers: per field,
+    the least figure per layer over the stages holding any, and a stage's extra is its figure minus
+    its layers' (>= 0; all of it for a stage holding none). ValueError when no stage holds a layer."""
+    held = [(st, n) for st, n in zip(stages, counts, strict=True) if n > 0]
+    if not held:
+        raise ValueError("no stage holds a layer")
+    layer = {f: min(float(st[f]) / n for st, n in held) for f in stages[0]}
+    extras = [{f: float(st[f]) - n * layer[f] for f in layer} for st, n in zip(stages, counts, strict=True)]
+    return layer, extras
+
+
 @dataclass(frozen=True)
 class LayerModel:
     """A job's layers, the partition it runs with, what each stage has beyond its layers, and where
@@ -40,7 +63,7 @@ class LayerModel:
 
     layers: list[LayerProfile]
     partition: list[list[int]]
-    extras: list[dict[str, float]]  # per stage: stage figure - sum of its layers' figure
+    extras: list[dict[str, float]]  # per stage: stage figure - sum of its layers' figure (job's partition)
     source: str
     migration_mib_per_ms: float
     bandwidth_source: str  # "given", "derived" or "assumed"
@@ -88,15 +111,12 @@ def _derived_layers(job: JobSpec, partition: list[list[int]]) -> list[LayerProfi
     model = _model(job)
     hidden, tp = _int(model, "hidden", 0), _int(model, "tensor_parallel", 1)
     params = 12 * hidden * hidden / tp
-    out: list[LayerProfile] = []
-    for s, (a, b) in enumerate(partition):
-        prof, n = job.stages[s], b - a
-        fig = {f: float(getattr(prof, f)) / n for f in LAYER_FIELDS}
-        layer = LayerProfile(
-            **fig, param_mib=params * PARAM_BYTES / MIB, optimizer_state_mib=params * OPTIMIZER_BYTES / MIB
-        )
-        out.extend([layer] * n)
-    return out
+    figures = [{f: float(getattr(p, f)) for f in LAYER_FIELDS} for p in job.stages]
+    fig, _ = lightest_split(figures, [b - a for a, b in partition])
+    layer = LayerProfile(
+        **fig, param_mib=params * PARAM_BYTES / MIB, optimizer_state_mib=params * OPTIMIZER_BYTES / MIB
+    )
+    return [layer] * sum(b - a for a, b in partition)
 
 
 def layer_model(job: JobSpec) -> LayerModel:

@@ -10,10 +10,11 @@ Layer granularity: see layer_units; a re-partition moves whole units.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 from planner.contract import Comm, FailureScenario, JobSpec, StageProfile
+from planner.partition.layers import lightest_split
 
 _FIELDS = ("forward", "backward_input", "backward_weight", "optimizer", "activation_mib", "weight_grad_mib")
 
@@ -62,18 +63,18 @@ def units_per_stage(job: JobSpec) -> int:
 
 def layer_units(job: JobSpec) -> list[Block]:
     """The job's layers as movable units: each stage is `units_per_stage` equal layers of the
-    lightest stage's profile, and what a stage has beyond that (embedding, LM head) stays one
+    lightest stage's profile per layer (planner.partition.layers.lightest_split, the planner's
+    derived per-layer figures), and what a stage has beyond that (embedding, LM head) stays one
     indivisible lump on its first layer (its last layer for the last stage)."""
     u = units_per_stage(job)
-    blocks = [stage_block(job, s) for s in range(job.num_stages)]
-    light = min(blocks, key=lambda b: b.compute_ms)
-    layer = light.scaled(1.0 / u)
+    blocks = [asdict(stage_block(job, s)) for s in range(job.num_stages)]
+    one, extras = lightest_split(blocks, [u] * job.num_stages)
+    layer = Block(**one)
     units: list[Block] = []
-    for s, b in enumerate(blocks):
-        excess = b.plus(light.scaled(-1.0))
+    for s, excess in enumerate(extras):
         layers = [layer] * u
         at = u - 1 if s == job.num_stages - 1 and s > 0 else 0
-        layers[at] = layer.plus(excess)
+        layers[at] = layer.plus(Block(**excess))
         units.extend(layers)
     return units
 

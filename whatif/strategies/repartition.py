@@ -31,7 +31,7 @@ from whatif.cache import PlanCache
 from whatif.strategies.base import Costs, Outcome, Strategy, lost_stages
 
 KIND = "repartition"
-RECORD_VERSION = 2  # 2: a stage may hold no layer; records without it (each stage >= 1) are re-done
+RECORD_VERSION = 3  # 2: a stage may hold no layer; 3: derived layers keep the embedding and head as stage extras
 
 
 def repartition_record(
