@@ -31,7 +31,7 @@ from whatif.cache import PlanCache
 from whatif.strategies.base import Costs, Outcome, Strategy, lost_stages
 
 KIND = "repartition"
-RECORD_VERSION = 3  # 2: a stage may hold no layer; 3: derived layers keep the embedding and head as stage extras
+RECORD_VERSION = 3  # 2: a stage may hold no layer; 3: derived layers keep embedding and head
 
 
 def repartition_record(
