@@ -50,7 +50,7 @@ def steps(out: Path, w: Worker, since_version: int) -> int:
 @pytest.mark.timeout(180)
 def test_service_moves_layers_off_a_short_stage_and_back(tmp_path: Path) -> None:
     job = with_layers(tiny_job(2, 2, 2), training(**asdict(CFG)), optimizer_copies=1, mib_per_ms=1.0)
-    n, out, port = 12, tmp_path / "run", free_port()
+    n, out, port = 16, tmp_path / "run", free_port()
     pub = ServicePublisher(
         f"http://127.0.0.1:{port}", TOKEN, job, max_failures=0, heartbeat_enabled=False, repartition=True
     )
