@@ -34,7 +34,7 @@ from planner.partition import derive_job, migration
 from planner.plan import plan
 from runtime_adapter.assignment import Worker
 from runtime_adapter.launch import Launcher, LaunchSpec
-from runtime_adapter.migration_job import with_layers
+from runtime_adapter.migration_job import with_derived_layers
 from runtime_adapter.model import GPTConfig, training
 from runtime_adapter.profile_comm import measure_hop_ms
 from runtime_adapter.training import split_bounds
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = GPTConfig(hidden=args.hidden, num_heads=4, num_layers=args.layers, seq_len=32)
     hop_ms = measure_hop_ms((1 << 20,))  # 4 MiB of float32 between two gloo ranks on loopback
     bandwidth = 4.0 / hop_ms
-    job = with_layers(
+    job = with_derived_layers(
         tiny_job(2, num_stages, 2), training(**asdict(cfg)), optimizer_copies=1, mib_per_ms=bandwidth
     )
     estimate = migration(job, part, scenario=FailureScenario(failed=[victim]))

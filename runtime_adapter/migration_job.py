@@ -32,7 +32,9 @@ def layer_mib(training: Training, num_stages: int, optimizer_copies: int) -> lis
     return out
 
 
-def with_layers(job: JobSpec, training: Training, optimizer_copies: int, mib_per_ms: float) -> JobSpec:
+def with_derived_layers(
+    job: JobSpec, training: Training, optimizer_copies: int, mib_per_ms: float
+) -> JobSpec:
     """`job` plus `layers` (every layer the lightest stage's figures per layer, so each stage's excess
     stays its extras; the resident sizes measured) and `comm.migration_mib_per_ms`."""
     assert training.layer_ranges is not None

@@ -25,7 +25,7 @@ import torch
 from bench.migration import launch_move_and_back
 from runtime_adapter.accounting import iteration_losses
 from runtime_adapter.assignment import Worker
-from runtime_adapter.migration_job import with_layers
+from runtime_adapter.migration_job import with_derived_layers
 from runtime_adapter.model import GPTConfig, gpt_training, training
 from runtime_adapter.reference import relative_error, train_reference
 from tests.jobs import tiny_job
@@ -57,7 +57,7 @@ def migrations(out: Path, w: Worker) -> dict[int, tuple[Any, ...]]:
 
 @pytest.mark.timeout(240)
 def test_a_stage_hands_all_its_layers_over_and_takes_them_back(tmp_path: Path) -> None:
-    job = with_layers(tiny_job(D, P, M), training(**asdict(CFG)), optimizer_copies=1, mib_per_ms=1.0)
+    job = with_derived_layers(tiny_job(D, P, M), training(**asdict(CFG)), optimizer_copies=1, mib_per_ms=1.0)
     launcher = launch_move_and_back(
         tmp_path, job, asdict(CFG), N, {frozenset({VICTIM}): EMPTY}, victim=VICTIM
     )

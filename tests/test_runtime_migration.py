@@ -34,7 +34,7 @@ from runtime_adapter.assignment import Assignment, Worker
 from runtime_adapter.executor import Executor
 from runtime_adapter.launch import Launcher, LaunchSpec
 from runtime_adapter.migration import MigrationUnsupported, Migrator
-from runtime_adapter.migration_job import with_layers
+from runtime_adapter.migration_job import with_derived_layers
 from runtime_adapter.migration_plan import plan_transfers
 from runtime_adapter.model import training
 from runtime_adapter.reference import model_wide, relative_error
@@ -59,7 +59,7 @@ MOVED = {frozenset({VICTIM}): [[0, 1], [1, 4]], frozenset({(0, 1)}): [[0, 3], [3
 def run(out: Path, n: int, model: dict[str, Any], entry: str | None = None) -> Launcher:
     """[1, 0] killed in iteration 2 (v2 moves block 1 to stage 1), back once the survivors stepped
     twice under v2 (bench.migration.launch_move_and_back); [1, 0]'s replacement finished."""
-    job = with_layers(tiny_job(2, 2, 2), training(**asdict(CFG)), optimizer_copies=1, mib_per_ms=1.0)
+    job = with_derived_layers(tiny_job(2, 2, 2), training(**asdict(CFG)), optimizer_copies=1, mib_per_ms=1.0)
     launcher = launch_move_and_back(out, job, model, n, MOVED, entry)
     assert launcher.wait(timedelta(seconds=1))[VICTIM] == 0
     return launcher
@@ -120,7 +120,7 @@ def test_sender_killed_during_the_migration(tmp_path: Path) -> None:
 
 def test_receiver_killed_during_the_migration(tmp_path: Path) -> None:
     n, job = 8, tiny_job(2, 2, 2)
-    laid = with_layers(job, training(**asdict(CFG)), optimizer_copies=1, mib_per_ms=1.0)
+    laid = with_derived_layers(job, training(**asdict(CFG)), optimizer_copies=1, mib_per_ms=1.0)
     moved = {frozenset({VICTIM}): [[0, 1], [1, 4]], frozenset({VICTIM, (1, 1)}): [[0, 1], [1, 4]]}
     fail_at = {VICTIM: (2, "F"), (1, 1): (2, "MIGRATE")}  # [1, 1] dies in v2's migration
     launcher = Launcher(

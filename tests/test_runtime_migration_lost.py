@@ -36,7 +36,7 @@ from bench.migration import partitioned_schedules, records
 from runtime_adapter.assignment import Worker
 from runtime_adapter.checkpoint import latest_complete
 from runtime_adapter.launch import Launcher, LaunchError, LaunchSpec
-from runtime_adapter.migration_job import with_layers
+from runtime_adapter.migration_job import with_derived_layers
 from runtime_adapter.model import training
 from runtime_adapter.service_publisher import ServicePublisher
 from tests.jobs import tiny_job
@@ -56,7 +56,7 @@ MOVE = [[0, 1], [1, 4]]  # v2: block 1 to stage 1; v4: the same move, with block
 def launch(out: Path, n: int, checkpoint_every: int, v4: list[list[int]] | None = MOVE) -> Launcher:
     """Steps 1-3 above (`v4`: the partition of v4, None: the job's own); the Launcher, waited for
     (LaunchError without checkpoints)."""
-    job = with_layers(tiny_job(2, 2, 2), training(**asdict(CFG)), optimizer_copies=1, mib_per_ms=1.0)
+    job = with_derived_layers(tiny_job(2, 2, 2), training(**asdict(CFG)), optimizer_copies=1, mib_per_ms=1.0)
     model: dict[str, Any] = {**asdict(CFG), "die_switching": [0, 0, 0, 2]}
     spec = LaunchSpec(job, model, n, out, fail_at={VICTIM: (2, "F")}, pace_ms=60,
                       checkpoint_every=checkpoint_every)  # fmt: skip

@@ -22,7 +22,7 @@ import pytest
 
 from runtime_adapter.assignment import Worker
 from runtime_adapter.launch import Launcher, LaunchSpec
-from runtime_adapter.migration_job import with_layers
+from runtime_adapter.migration_job import with_derived_layers
 from runtime_adapter.model import training
 from runtime_adapter.publishers import ServicePublisher
 from tests.jobs import tiny_job
@@ -49,7 +49,7 @@ def steps(out: Path, w: Worker, since_version: int) -> int:
 
 @pytest.mark.timeout(180)
 def test_service_moves_layers_off_a_short_stage_and_back(tmp_path: Path) -> None:
-    job = with_layers(tiny_job(2, 2, 2), training(**asdict(CFG)), optimizer_copies=1, mib_per_ms=1.0)
+    job = with_derived_layers(tiny_job(2, 2, 2), training(**asdict(CFG)), optimizer_copies=1, mib_per_ms=1.0)
     n, out, port = 16, tmp_path / "run", free_port()
     pub = ServicePublisher(
         f"http://127.0.0.1:{port}", TOKEN, job, max_failures=0, heartbeat_enabled=False, repartition=True
