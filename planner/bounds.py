@@ -74,16 +74,23 @@ def warmup_idle_ms(job: JobSpec, scenario: FailureScenario, stage: int, factor: 
     prof = job.stages[stage]
     if cap is None or prof.activation_mib <= 0 or hosted == 0:
         return 0.0
+    trip = prof.forward * factor + return_trip_ms(job, scenario, stage)
+    admitted = min(int(cap // prof.activation_mib), hosted)
+    return max(0.0, trip - admitted * prof.forward * factor)
+
+
+def return_trip_ms(job: JobSpec, scenario: FailureScenario, stage: int) -> float:
+    """Least time from the end of a micro-batch's F at `stage` to the start of its B there: F and B
+    at every later stage with its fastest alive peer, plus the cheapest hop each way."""
     failed = {tuple(w) for w in scenario.failed}
     hop = min(job.comm.activation_ms, job.comm.cross_pipeline_ms)
-    trip = prof.forward * factor
+    trip = 0.0
     for later in range(stage + 1, job.num_stages):
         fastest = min(
             scenario.slow_factor((d, later)) for d in range(job.num_pipelines) if (d, later) not in failed
         )
         trip += (job.stages[later].forward + job.stages[later].backward_input) * fastest + 2 * hop
-    admitted = min(int(cap // prof.activation_mib), hosted)
-    return max(0.0, trip - admitted * prof.forward * factor)
+    return trip
 
 
 def memory_bound(job: JobSpec, scenario: FailureScenario) -> float:
@@ -96,7 +103,7 @@ def memory_bound(job: JobSpec, scenario: FailureScenario) -> float:
     is optimal over all allocations, and its busiest worker bounds the period of the stage.
     Without a memory capacity the warm-up idle is not counted (the bound is the load bound). With
     one, a worker of a later stage also bounds stage 0's cycle, which must wrap around its F+B
-    pairs (`_around_ms`), one F longer for some workers of a stage after one that lost workers
+    pairs (`around_ms`), one F longer for some workers of a stage after one that lost workers
     (planner/bounds_conflict.py); docs/planner.md section 2 derives both.
     """
     failed = {tuple(w) for w in scenario.failed}
@@ -110,7 +117,7 @@ def memory_bound(job: JobSpec, scenario: FailureScenario) -> float:
         prof = job.stages[s]
         fastest = min(factors[s].values(), default=1.0)  # a stage with no alive worker: no bound here
         tail[s] = tail[s + 1] + (prof.forward + prof.backward_input) * fastest + 2 * hop
-    around = _around_ms(job, factors, hop)
+    around = around_ms(job, factors, hop)
     best = 0.0
     for s in range(num_s):
         if not factors[s]:
@@ -157,7 +164,7 @@ def memory_bound(job: JobSpec, scenario: FailureScenario) -> float:
     return best
 
 
-def _around_ms(job: JobSpec, factors: list[dict[int, float]], hop: float) -> list[float]:
+def around_ms(job: JobSpec, factors: list[dict[int, float]], hop: float) -> list[float]:
     """around[s]: the least time stage 0's cycle spends outside a worker of stage s >= 1.
 
     Every F of iteration k starts after the earliest stage-0 OPT end O0(k); so the worker's first F

@@ -6,7 +6,7 @@ first F in iteration k (distinct for distinct u). Every F of iteration k at stag
 the F path after the earliest stage-0 OPT end O0(k); on each worker of stage f all but the first of
 the x_u it runs start at least one F (f's duration, fastest alive peer: `delta`) later. So at least
 a - (D - k) of the a hosting workers of stage b start their first F `delta` late, and the round-trip
-chain of bounds._around_ms (F path, the worker's n F+B pairs and warm-up idle, B path, stage-0 W,
+chain of bounds.around_ms (F path, the worker's n F+B pairs and warm-up idle, B path, stage-0 W,
 all-reduce, OPT) holds for each with `delta` added for the late ones. The schedule picks the
 allocation and which workers are late: the bound is the least, over the number z of stage-b workers
 that host nothing and over allocations, of the largest chain. Counted where a capacity is given and

@@ -1,5 +1,5 @@
 """The round-trip and first-F conflict terms of the memory-aware bound (planner/bounds.py
-`_around_ms`, planner/bounds_conflict.py, docs/planner.md section 2): with few micro-batches per
+`around_ms`, planner/bounds_conflict.py, docs/planner.md section 2): with few micro-batches per
 pipeline, stage 0's cycle must wrap around the busiest worker of a later stage, which starts an F
 late where an earlier stage lost a worker. They never exceed a valid schedule (brute force on tiny
 jobs, random valid and planned schedules on small ones) and are reached where they bind."""
