@@ -1,13 +1,16 @@
 """Where a plan's busiest workers idle, against the terms of the bounds (issue 13).
 
-    python -m bench.idle_breakdown JOB.json [--failed D,S ...] [--time-limit S]
+    python -m bench.idle_breakdown JOB.json [--failed D,S ...] [--time-limit S] [--no-cpsat] [--trace]
 
 Plans the scenario (`plan()`), replays its orders for ITERATIONS iterations with the referee's
 clock and splits, in the last one, each stage's busiest worker's period into: its load (F+B+W),
 the all-reduce and OPT (the load bound's terms), and idle by where it falls: before its first op
 (waiting for its first F: the stage's iteration started before the F reached it), between its
 first op and its first B (the memory-aware bound's warm-up idle, at most), in the middle, and before
-its OPT beyond the all-reduce (waiting for a peer's last W). One line per stage.
+its OPT beyond the all-reduce (waiting for a peer's last W). One line per stage. `--trace` then walks
+each middle gap of the bottleneck worker (the busiest worker of the stage whose load, all-reduce,
+OPT and warm-up bound are the largest, or of `--stage`) back along its critical path
+(bench/idle_trace.py): which stage's op queued behind which op, and how long.
 """
 
 from __future__ import annotations
@@ -84,11 +87,20 @@ def breakdown(job: JobSpec, scenario: FailureScenario, schedule: Schedule) -> li
     return rows
 
 
+def _bound_terms(row: dict[str, float]) -> float:
+    return row["load"] + row["ar+opt"] + row["warm-up LB"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.idle_breakdown", description=__doc__.split("\n")[0])
     ap.add_argument("job", help="job spec JSON")
     ap.add_argument("--failed", nargs="*", default=[], help="failed workers as D,S (e.g. 0,1 1,2 2,3)")
     ap.add_argument("--time-limit", type=finite_float, default=10.0, help="plan() time limit, seconds")
+    ap.add_argument(
+        "--no-cpsat", action="store_true", help="plan without CP-SAT (the greedy portfolio's plan)"
+    )
+    ap.add_argument("--trace", action="store_true", help="trace the middle gaps (bench/idle_trace.py)")
+    ap.add_argument("--stage", type=int, default=None, help="with --trace: trace this stage's busiest worker")
     args = ap.parse_args(argv)
     failed: list[tuple[int, int]] = []
     for entry in args.failed:
@@ -99,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = read_document(args.job, JobSpec, "job spec")
         scenario = FailureScenario(failed=failed)
-        result = plan(job, scenario, time_limit=timedelta(seconds=args.time_limit))
+        limit = timedelta(seconds=args.time_limit)
+        result = plan(job, scenario, time_limit=limit, use_cpsat=not args.no_cpsat)
     except (InvalidInputError, ValidationError) as exc:
         print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
@@ -108,8 +121,16 @@ def main(argv: list[str] | None = None) -> int:
         f"memory-aware {result.memory_bound_ms:.3f}, by {result.source}"
     )
     print(" ".join(f"{c:>10s}" for c in COLUMNS))
-    for row in breakdown(job, scenario, result.schedule):
+    rows = breakdown(job, scenario, result.schedule)
+    for row in rows:
         print(" ".join(f"{row[c]:10.2f}" if isinstance(row[c], float) else f"{row[c]:10d}" for c in COLUMNS))
+    if args.trace:
+        from bench.idle_trace import summary, trace_gaps
+
+        row = rows[args.stage] if args.stage is not None else max(rows, key=_bound_terms)
+        worker = (int(row["worker"]), int(row["stage"]))
+        print(f"middle gaps of worker {list(worker)}, each walked back along its critical path:")
+        print("\n".join(summary(trace_gaps(job, scenario, result.schedule, worker))))
     return 0
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import lru_cache
 
+from planner.adaptive.lookahead import round_trips_covered
 from planner.bounds import load_bound, memory_bound
 from planner.contract import FailureScenario, JobSpec, Schedule
 from planner.normalize import Normalized, job_fingerprint, normalize, to_physical
@@ -28,6 +29,7 @@ from planner.portfolio import (
     redeferred,
     search_hosts_from,
 )
+from planner.problem import Problem
 from planner.reduced import expand, reduce_job, stand_in_own
 from planner.reduced import host_variants as reduced_host_variants
 from planner.settings import planner_settings
@@ -137,9 +139,15 @@ def plan(
     variants = None if red is None else reduced_host_variants(red, norm.scenario)
     budget_s = min(settings.greedy_budget, time_limit).total_seconds()
     # Where the host-map search may run (after the portfolio), the portfolio gets its share of the budget.
-    # Not on large jobs: one greedy run takes seconds there, too few trials for a search to pay.
+    # Not on large jobs: one greedy run takes seconds there, too few trials for a search to pay; not
+    # where memory does not cover a round trip (it never paid there, section 4e: the tight policies run).
     job_ops = 3 * job.num_pipelines * job.num_microbatches * job.num_stages
-    search = red is None and mb <= lb * (1 + 1e-9) and job_ops <= SMALL_OPS
+    search = (
+        red is None
+        and mb <= lb * (1 + 1e-9)
+        and job_ops <= SMALL_OPS
+        and round_trips_covered(Problem.build(job, norm.scenario))
+    )
     best = plan_greedy(
         small,
         norm.scenario,

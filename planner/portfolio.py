@@ -1,6 +1,7 @@
 """The greedy portfolio of the adaptive planner (planner/plan.py): list-scheduler policies over a few
 host maps, the baselines the planner never returns anything slower than, the ZB re-placement of Ws,
-the critical-cycle search on reduced grids and the host-map search (docs/planner.md sections 4-4d).
+the critical-cycle search on reduced grids and the host-map search, and the tight-memory policies,
+hill-climb and critical-cycle search (docs/planner.md sections 4-4e).
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ from dataclasses import dataclass
 
 from planner.adaptive.greedy import GreedyOptions
 from planner.adaptive.lookahead import LookaheadOptions, round_trips_covered, run_policy, slack_stages
+from planner.adaptive.tight import TightOptions, neighbours, run_tight, tight_policies
 from planner.contract import FailureScenario, JobSpec, Schedule
 from planner.orders import Orders, to_schedule
 from planner.problem import Problem
 
 GOOD_ENOUGH = 5e-4  # the greedy portfolio stops within 0.05% of the best bound
 SMALL_OPS = 12_000  # up to this many ops per iteration the greedy simulates more iterations
+TIGHT_CRITICAL_SHARE = 0.4  # tight memory: share of the greedy budget for the critical-cycle search
+CRITICAL_SEEDS = 3  # ... started from the best schedules of this many greedy trials
 
 # Tried in order; stops early once a schedule meets the bound. Each differs in how eagerly deferred
 # W fills idle time and how many activations a worker keeps in flight (see GreedyOptions).
@@ -175,27 +179,58 @@ def plan_greedy(
     looks = LOOKAHEAD if slack_stages(problems[0]) else ()
     first = bool(looks) and round_trips_covered(problems[0])
     policies = (PORTFOLIO[0], *looks, *PORTFOLIO[1:]) if first else (*PORTFOLIO, *looks)
-    trials = [
+    trials: list[tuple[GreedyOptions, Problem]] = [
         (dataclasses.replace(opts, num_iterations=iterations), prob) for opts in policies for prob in problems
     ]
     for k in range(len(looks) if first else 0):  # (look k, first map) sits at (k+1)*len(problems)
         trials.insert(1 if k == 0 else len(problems) + k, trials.pop((k + 1) * len(problems)))
     guaranteed = len(problems) + (len(looks) if first else 0)
+    climb_from = len(trials) + 1  # where the hill-climb over tight policies starts (none by default)
+    policy_budget_s = budget_s
+    if not round_trips_covered(problems[0]) and num_ops <= SMALL_OPS:
+        # Tight memory (docs/planner.md 4e): its policies on the first map, right after the default
+        # policy on every map, within the budget.
+        from planner.bounds import load_bound
+
+        binds = target_ms <= load_bound(job, scenario) * (1 + 1e-9)  # target_ms: the memory-aware bound
+        tight = [
+            (dataclasses.replace(opts, num_iterations=iterations), problems[0])
+            for opts in tight_policies(binds)
+        ]
+        trials = trials[:guaranteed] + tight + [t for t in trials[guaranteed:] if t not in tight]
+        climb_from = guaranteed + len(tight)
+        guaranteed += 1  # the first tight policy runs whatever the budget
+        policy_budget_s = budget_s * (1 - TIGHT_CRITICAL_SHARE)  # the rest: the critical-cycle search
     target_ms *= 1 + GOOD_ENOUGH
     best: Candidate | None = None
-    for i, (opts, problem) in enumerate(trials):
-        run = run_policy(problem, opts)
+    best_opts, climbed = None, []
+    tops: list[Candidate] = []  # each trial's best: the critical-cycle search's seeds (tight memory)
+    for i, (opts, problem) in enumerate(trials):  # the hill-climb below inserts trials ahead
+        run = run_tight(problem, opts) if isinstance(opts, TightOptions) else run_policy(problem, opts)
         seen: list[Orders] = []
         for orders in reversed(run.orders_by_iteration):
             if orders in seen:
                 continue
             seen.append(orders)
             sched = to_schedule(problem, orders, strategy="recycle-greedy")
+            if policy_budget_s < budget_s and (
+                len(seen) == 1 or sched.iteration_time_ms < tops[-1].schedule.iteration_time_ms - 1e-9
+            ):
+                tops[len(tops) - (len(seen) > 1) :] = [Candidate(problem, orders, sched, "greedy")]
             if best is None or sched.iteration_time_ms < best.schedule.iteration_time_ms - 1e-9:
                 best = Candidate(problem, orders, sched, "greedy")
+                best_opts = opts if problem is problems[0] else None
             if best.schedule.iteration_time_ms <= target_ms * (1 + 1e-9):
                 break
         assert best is not None
+        if i + 1 >= climb_from and best_opts is not None and best_opts not in climbed:
+            # Tight memory: hill-climb from the best policy on the first map (tight.py neighbours).
+            climbed.append(best_opts)
+            near = [
+                (dataclasses.replace(n, num_iterations=iterations), problems[0])
+                for n in neighbours(best_opts)
+            ]
+            trials[i + 1 : i + 1] = [t for t in near if t not in trials[: i + 1]]
         if progress:
             progress(
                 f"greedy trial {i + 1}/{len(trials)} done (policy x host map), "
@@ -203,9 +238,13 @@ def plan_greedy(
             )
         if best.schedule.iteration_time_ms <= target_ms * (1 + 1e-9):
             break
-        if i + 1 >= guaranteed and time.perf_counter() - t0 > budget_s:
+        if i + 1 >= guaranteed and time.perf_counter() - t0 > policy_budget_s:
             break  # the default policy always gets every host map (see above); the rest within budget
     assert best is not None
+    if policy_budget_s < budget_s and best.schedule.iteration_time_ms > target_ms * (1 + 1e-9):
+        # Tight memory (4e): from the best CRITICAL_SEEDS trials' schedules, fastest first.
+        seeds = sorted(tops, key=lambda c: c.schedule.iteration_time_ms)[:CRITICAL_SEEDS]
+        best = critical(seeds, target_ms, budget_s - (time.perf_counter() - t0))
     return best
 
 
@@ -213,6 +252,8 @@ def search_hosts_from(best: Candidate, target_ms: float, budget_s: float) -> Can
     """`best`, or a better greedy schedule on a host map the local search finds (host_search.py)."""
     from planner.adaptive.host_search import search_hosts
 
+    if not round_trips_covered(best.problem):
+        return best  # tight memory: the search never paid there (docs/planner.md 4b); TIGHT does (4e)
     found = search_hosts(
         best.problem,
         best.schedule.iteration_time_ms,
