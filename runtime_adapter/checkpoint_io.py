@@ -21,11 +21,7 @@ from typing import Any
 
 import fsspec
 import torch
-import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 _MANGLED = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/(?!/)")  # str(Path("s3://b/k")) == "s3:/b/k"
 
@@ -120,6 +116,9 @@ class Root:
         _quiet_dcp()
         self.fs.makedirs(path, exist_ok=True)
         target = self._target(path)
+        import torch.distributed.checkpoint as dcp  # (lazily: 0.6 s of imports a worker start needs not)
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
         writer: dcp.StorageWriter
         if self.url:
             writer = FsspecWriter(target, sync_files=True)
@@ -131,6 +130,11 @@ class Root:
         """Every tensor of the DCP checkpoint in directory `path`, on the CPU (no collectives)."""
         _quiet_dcp()
         target = self._target(path)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
         reader: dcp.StorageReader = FsspecReader(target) if self.url else dcp.FileSystemReader(target)
         out: dict[str, Any] = {}
         # What torch's own dcp_to_torch_save does: rebuild the dict from the checkpoint's metadata.

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# One OpenMP thread for torch in this process and every process a test starts (workers, agents,
+# profilers), as the launcher gives its workers (runtime_adapter/supervisor_procs.py): the tiny models
+# gain nothing from more, and on a busy 2-core machine spinning OpenMP threads made a worker's
+# iteration take seconds instead of milliseconds (the tests started by hand ran 5-10x slower).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -83,8 +83,23 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+def run_agent(cmd: list[str], in_process: bool, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """(exit code, stderr) of `cmd`: as a process, or through agent_cli.main here (the same checks,
+    without a Python start and a torch import per case)."""
+    if not in_process:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
+        return done.returncode, done.stderr.strip()
+    from runtime_adapter.agent_cli import main
+
+    capsys.readouterr()
+    code = main(cmd[3:])  # after `python -m runtime_adapter.agent_cli`
+    return code, capsys.readouterr().err.strip()
+
+
 @pytest.mark.timeout(240)
-def test_bad_input_is_one_line_exit_2_and_nothing_runs(service: str, store: str, tmp_path: Path) -> None:
+def test_bad_input_is_one_line_exit_2_and_nothing_runs(
+    service: str, store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     job_id, token = register(service)
     other_id, other_token = register(service)
     dead, nowhere = f"127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
@@ -112,9 +127,9 @@ def test_bad_input_is_one_line_exit_2_and_nothing_runs(service: str, store: str,
         out.parent.mkdir()
         cmd = agent_cmd(service, job_id, tok, workers, st, out, *extra)
         cmd[cmd.index("--service") + 1], cmd[cmd.index("--job-id") + 1] = svc, jid
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
-        err = done.stderr.strip()
-        assert done.returncode == 2, (workers, extra, done.returncode, err)
+        as_process = i == 0 or extra[:2] == ["--wait", "1.5"]  # the real entry point, twice
+        code, err = run_agent(cmd, not as_process, capsys)
+        assert code == 2, (workers, extra, code, err)
         if extra[:2] == ["--wait", "1.5"]:  # it waited (a progress line), then gave up
             waited, err = err.split("\n", 1)
             assert "waiting up to 1.5 s for the store" in waited, waited
