@@ -22,7 +22,7 @@ from datetime import timedelta
 from pydantic import ValidationError
 
 from planner.bounds import warmup_idle_ms
-from planner.cli_io import finite_float, read_document
+from planner.cli_io import describe_validation_error, finite_float, parse_worker, read_document
 from planner.contract import FailureScenario, JobSpec, Schedule
 from planner.errors import InvalidInputError
 from planner.plan import plan
@@ -102,19 +102,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", action="store_true", help="trace the middle gaps (bench/idle_trace.py)")
     ap.add_argument("--stage", type=int, default=None, help="with --trace: trace this stage's busiest worker")
     args = ap.parse_args(argv)
-    failed: list[tuple[int, int]] = []
-    for entry in args.failed:
-        parts = entry.split(",")
-        if len(parts) != 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
-            ap.error(f"--failed: {entry!r} is not D,S with two integers, e.g. 0,1")
-        failed.append((int(parts[0]), int(parts[1])))
+    if args.stage is not None and not args.trace:
+        ap.error("--stage: only with --trace")
+    try:
+        failed = [parse_worker(entry, "--failed") for entry in args.failed]
+    except InvalidInputError as exc:
+        ap.error(str(exc))
     try:
         job = read_document(args.job, JobSpec, "job spec")
+        if args.stage is not None and not 0 <= args.stage < job.num_stages:
+            raise InvalidInputError(f"--stage {args.stage}: the job has stages 0..{job.num_stages - 1}")
         scenario = FailureScenario(failed=failed)
         limit = timedelta(seconds=args.time_limit)
         result = plan(job, scenario, time_limit=limit, use_cpsat=not args.no_cpsat)
-    except (InvalidInputError, ValidationError) as exc:
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+    except InvalidInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ValidationError as exc:
+        print(f"error: --failed:\n{describe_validation_error(exc)}", file=sys.stderr)
         return 2
     print(
         f"{job.name} {failed}: {result.iteration_time_ms:.3f} ms, load bound {result.lower_bound_ms:.3f}, "

@@ -15,8 +15,6 @@ import argparse
 import sys
 import time
 
-from pydantic import ValidationError
-
 from bench.planner import failure_cases
 from planner.bounds import load_bound, memory_bound
 from planner.bounds_single import single_worker_bound_ms
@@ -33,22 +31,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-failures", type=int, default=3, help="failure cases up to this many failures")
     ap.add_argument("--max-labels", type=int, default=2_000_000, help="stop a search above this many labels")
     args = ap.parse_args(argv)
+    if args.max_failures < 0:
+        ap.error(f"--max-failures {args.max_failures}: at least 0")
+    if args.max_labels < 1:
+        ap.error(f"--max-labels {args.max_labels}: at least 1")
+    try:
+        jobs = [read_document(path, JobSpec, "job spec") for path in args.jobs]
+    except InvalidInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print("| " + " | ".join(COLUMNS) + " |")
     print("| " + " | ".join("---" for _ in COLUMNS) + " |")
-    for path in args.jobs:
-        try:
-            job = read_document(path, JobSpec, "job spec")
-        except (InvalidInputError, ValidationError) as exc:
-            print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
-            return 2
+    for job in jobs:
         for _, failed in failure_cases(job, args.max_failures):
             scenario = FailureScenario(failed=failed)
             t0 = time.perf_counter()
             exact = single_worker_bound_ms(job, scenario, args.max_labels)
             took = time.perf_counter() - t0
             mb = memory_bound(job, scenario)
-            shown = "stopped" if exact is None else f"{exact:.3f}"
-            ratio = "-" if exact is None else f"{exact / mb:.4f}"
+            if exact is None:
+                shown, ratio = "stopped", "-"
+            elif exact == 0.0:  # no stage with identical peers has a memory capacity
+                shown, ratio = "n/a", "-"
+            else:
+                shown, ratio = f"{exact:.3f}", f"{exact / mb:.4f}"
             failed_s = " ".join(f"[{d},{s}]" for d, s in failed) or "none"
             row = (
                 job.name,

@@ -120,7 +120,7 @@ def single_worker_bound_ms(
     slow peers are skipped, their closed form stays in `memory_bound`): the worker's period is at
     least the relaxation to its last W plus the all-reduce and its OPT, and stage 0's cycle is at
     least `around_ms` plus the relaxation to its last B (docs/planner.md section 2). None when a
-    search stops at `max_labels`."""
+    search stops at `max_labels`; 0.0 when no stage with identical peers has a memory capacity."""
     failed = {tuple(w) for w in scenario.failed}
     num_d = job.num_pipelines
     factors = [

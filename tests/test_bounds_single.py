@@ -182,3 +182,23 @@ def test_bench_prints_both_bounds_and_refuses_a_bad_job(
     (tmp_path / "bad.json").write_text('{"num_stages": 0}')
     assert main([str(tmp_path / "bad.json")]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_bench_refuses_bad_limits_and_names_a_job_without_capacity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.single_worker import main
+
+    good, bare = tmp_path / "job.json", tmp_path / "bare.json"
+    good.write_text(jobs.uniform_job(3, 2, 2, capacity_mib=100.0).model_dump_json())
+    bare.write_text(jobs.uniform_job(3, 2, 2).model_dump_json())
+    for flags in (["--max-labels", "0"], ["--max-failures", "-1"]):
+        with pytest.raises(SystemExit) as stop:
+            main([str(good), *flags])
+        assert stop.value.code == 2
+        assert flags[0] in capsys.readouterr().err
+    assert main([str(bare), "--max-failures", "0"]) == 0
+    assert "| n/a | - |" in capsys.readouterr().out  # no capacity: nothing to relax, not a ratio of 0
+    assert main([str(good), str(tmp_path / "missing.json")]) == 2  # every job is read before any row
+    out = capsys.readouterr()
+    assert out.out == "" and "missing.json" in out.err

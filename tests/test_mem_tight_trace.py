@@ -67,3 +67,27 @@ def test_trace_command_prints_the_summary() -> None:
     assert out.returncode == 0, out.stderr
     assert "middle gaps of worker" in out.stdout
     assert "waits summed (stage, op waiting < op running):" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--failed", "1,0", "1,0", "--no-cpsat"], "listed twice"),
+        (["--failed", "1"], "--failed '1'"),
+        (["--trace", "--stage", "9"], "--stage 9"),
+        (["--stage", "1"], "--stage"),
+    ],
+)
+def test_bad_input_is_named_and_exits_2(
+    flags: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.idle_breakdown import main
+
+    job = str(Path(__file__).resolve().parents[1] / "examples" / "gpt3-1.3b-p4d4.json")
+    try:
+        code = main([job, *flags])
+    except SystemExit as stop:  # argparse's own errors
+        code = int(str(stop.code))
+    assert code == 2
+    out = capsys.readouterr()
+    assert named in out.err and out.out == ""
