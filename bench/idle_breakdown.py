@@ -2,15 +2,15 @@
 
     python -m bench.idle_breakdown JOB.json [--failed D,S ...] [--time-limit S] [--no-cpsat] [--trace]
 
-Plans the scenario (`plan()`), replays its orders for ITERATIONS iterations with the referee's
-clock and splits, in the last one, each stage's busiest worker's period into: its load (F+B+W),
-the all-reduce and OPT (the load bound's terms), and idle by where it falls: before its first op
-(waiting for its first F: the stage's iteration started before the F reached it), between its
-first op and its first B (the memory-aware bound's warm-up idle, at most), in the middle, and before
-its OPT beyond the all-reduce (waiting for a peer's last W). One line per stage. `--trace` then walks
-each middle gap of the bottleneck worker (the busiest worker of the stage whose load, all-reduce,
-OPT and warm-up bound are the largest, or of `--stage`) back along its critical path
-(bench/idle_trace.py): which stage's op queued behind which op, and how long.
+Plans the scenario (`plan()`), replays its orders for 12 iterations (bench/idle_trace.py
+`replay_last`) with the referee's clock and splits, in the last one, each stage's busiest worker's
+period into: its load (F+B+W), the all-reduce and OPT (the load bound's terms), and idle by where it
+falls: before its first op (waiting for its first F: the stage's iteration started before the F
+reached it), between its first op and its first B (the memory-aware bound's warm-up idle, at most),
+in the middle, and before its OPT beyond the all-reduce (waiting for a peer's last W). One line per
+stage. `--trace` then walks each middle gap of the bottleneck worker (the busiest worker of the
+stage whose load, all-reduce, OPT and warm-up bound are the largest, or of `--stage`) back along its
+critical path (bench/idle_trace.py): which stage's op queued behind which op, and how long.
 """
 
 from __future__ import annotations
@@ -21,15 +21,13 @@ from datetime import timedelta
 
 from pydantic import ValidationError
 
+from bench.idle_trace import replay_last, summary, trace_gaps
 from planner.bounds import warmup_idle_ms
 from planner.cli_io import describe_validation_error, finite_float, parse_worker, read_document
 from planner.contract import FailureScenario, JobSpec, Schedule
 from planner.errors import InvalidInputError
 from planner.plan import plan
-from planner.simulator.engine import _Clock, build_graph, topological_order
-from planner.simulator.structure import check_structure
 
-ITERATIONS = 12
 COLUMNS = (
     "stage",
     "worker",
@@ -47,13 +45,7 @@ COLUMNS = (
 
 def breakdown(job: JobSpec, scenario: FailureScenario, schedule: Schedule) -> list[dict[str, float]]:
     """Per stage, the busiest worker's period split as the module doc says (last replayed iteration)."""
-    lay = check_structure(job, scenario, schedule)
-    graph = build_graph(job, lay)
-    clock = _Clock(lay, graph, topological_order(lay, graph))
-    prev_free: list[float] = []
-    for _ in range(ITERATIONS):
-        prev_free = list(clock.free)
-        start, end = clock.iteration()
+    lay, graph, start, end, prev_free = replay_last(job, scenario, schedule)
     rows = []
     actions = {(ws.worker[0], ws.worker[1]): ws.actions for ws in schedule.workers}
     for s in range(job.num_stages):
@@ -130,8 +122,6 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(" ".join(f"{row[c]:10.2f}" if isinstance(row[c], float) else f"{row[c]:10d}" for c in COLUMNS))
     if args.trace:
-        from bench.idle_trace import summary, trace_gaps
-
         row = rows[args.stage] if args.stage is not None else max(rows, key=_bound_terms)
         worker = (int(row["worker"]), int(row["stage"]))
         print(f"middle gaps of worker {list(worker)}, each walked back along its critical path:")

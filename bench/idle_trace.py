@@ -14,14 +14,40 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from planner.contract import FailureScenario, JobSpec, Schedule
-from planner.simulator.engine import _MULTI, _Clock, build_graph, topological_order
-from planner.simulator.structure import OP_NAMES, check_structure
+from planner.simulator.engine import _MULTI, Graph, _Clock, build_graph, topological_order
+from planner.simulator.structure import OP_NAMES, Layout, check_structure
 
 ITERATIONS = 12
 MAX_STEPS = 400
 EPS = 1e-9
+
+
+class LastIteration(NamedTuple):
+    """The last of ITERATIONS replayed iterations: op starts and ends by node, and each worker's
+    free time before it (the end of its previous OPT)."""
+
+    lay: Layout
+    graph: Graph
+    start: list[float]
+    end: list[float]
+    prev_free: list[float]
+
+
+def replay_last(job: JobSpec, scenario: FailureScenario, schedule: Schedule) -> LastIteration:
+    """Replay `schedule` with the referee's clock for ITERATIONS iterations; the last one."""
+    lay = check_structure(job, scenario, schedule)
+    graph = build_graph(job, lay)
+    clock = _Clock(lay, graph, topological_order(lay, graph))
+    prev_free: list[float] = []
+    start: list[float] = []
+    end: list[float] = []
+    for _ in range(ITERATIONS):
+        prev_free = list(clock.free)
+        start, end = clock.iteration()
+    return LastIteration(lay, graph, start, end, prev_free)
 
 
 @dataclass(frozen=True)
@@ -43,11 +69,7 @@ def trace_gaps(
 ) -> list[tuple[float, float, list[Wait]]]:
     """For each middle gap (after the first B, before the OPT) of `worker` longer than `min_gap_ms`,
     in the last of ITERATIONS replayed iterations: (gap start, gap length, the waits on its chain)."""
-    lay = check_structure(job, scenario, schedule)
-    graph = build_graph(job, lay)
-    clock = _Clock(lay, graph, topological_order(lay, graph))
-    for _ in range(ITERATIONS):
-        start, end = clock.iteration()
+    lay, graph, start, end, _ = replay_last(job, scenario, schedule)
     wi = lay.workers.index(worker)
     a, b = lay.first[wi], lay.first[wi + 1]
     first_b = next(j for j in range(a, b) if OP_NAMES[lay.node_op[j]] in ("B", "BW"))
@@ -59,7 +81,7 @@ def trace_gaps(
     return out
 
 
-def _walk(lay, graph, start: list[float], end: list[float], j: int, home: int) -> list[Wait]:  # type: ignore[no-untyped-def]
+def _walk(lay: Layout, graph: Graph, start: list[float], end: list[float], j: int, home: int) -> list[Wait]:
     """The waits of the round trip that ended at `j`: along its dependencies back to the home
     worker's own op of that micro-batch (its F), each op's start minus its input's arrival, and the
     op its worker was running (or "idle": its order put another op first, which waited)."""
@@ -80,14 +102,14 @@ def _walk(lay, graph, start: list[float], end: list[float], j: int, home: int) -
     return waits
 
 
-def _dep_ready(graph, end: list[float], node: int) -> float:  # type: ignore[no-untyped-def]
+def _dep_ready(graph: Graph, end: list[float], node: int) -> float:
     p = graph.dep[node]
     if p == _MULTI:
         return max(end[q] for q in graph.opt_deps[node]) + graph.delay[node]
     return end[p] + graph.delay[node]
 
 
-def _dep_node(graph, end: list[float], node: int) -> int:  # type: ignore[no-untyped-def]
+def _dep_node(graph: Graph, end: list[float], node: int) -> int:
     p = graph.dep[node]
     if p == _MULTI:
         return max(graph.opt_deps[node], key=lambda q: end[q])
