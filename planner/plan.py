@@ -29,7 +29,6 @@ from planner.portfolio import (
     redeferred,
     search_hosts_from,
 )
-from planner.problem import Problem
 from planner.reduced import expand, reduce_job, stand_in_own
 from planner.reduced import host_variants as reduced_host_variants
 from planner.settings import planner_settings
@@ -146,7 +145,7 @@ def plan(
         red is None
         and mb <= lb * (1 + 1e-9)
         and job_ops <= SMALL_OPS
-        and round_trips_covered(Problem.build(job, norm.scenario))
+        and round_trips_covered(job, norm.scenario)
     )
     best = plan_greedy(
         small,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from planner.adaptive.greedy import GreedyOptions
 from planner.adaptive.lookahead import LookaheadOptions, round_trips_covered, run_policy, slack_stages
 from planner.adaptive.tight import TightOptions, neighbours, run_tight, tight_policies
+from planner.bounds import load_bound
 from planner.contract import FailureScenario, JobSpec, Schedule
 from planner.orders import Orders, to_schedule
 from planner.problem import Problem
@@ -177,7 +178,8 @@ def plan_greedy(
     # the default on every map (then on the other maps); where it does not (-mem1x) they come last,
     # within the budget only: earlier they took budget from policies that did better there.
     looks = LOOKAHEAD if slack_stages(problems[0]) else ()
-    first = bool(looks) and round_trips_covered(problems[0])
+    covered = round_trips_covered(job, scenario)
+    first = bool(looks) and covered
     policies = (PORTFOLIO[0], *looks, *PORTFOLIO[1:]) if first else (*PORTFOLIO, *looks)
     trials: list[tuple[GreedyOptions, Problem]] = [
         (dataclasses.replace(opts, num_iterations=iterations), prob) for opts in policies for prob in problems
@@ -187,11 +189,9 @@ def plan_greedy(
     guaranteed = len(problems) + (len(looks) if first else 0)
     climb_from = len(trials) + 1  # where the hill-climb over tight policies starts (none by default)
     policy_budget_s = budget_s
-    if not round_trips_covered(problems[0]) and num_ops <= SMALL_OPS:
+    if not covered and num_ops <= SMALL_OPS:
         # Tight memory (docs/planner.md 4e): its policies on the first map, right after the default
         # policy on every map, within the budget.
-        from planner.bounds import load_bound
-
         binds = target_ms <= load_bound(job, scenario) * (1 + 1e-9)  # target_ms: the memory-aware bound
         tight = [
             (dataclasses.replace(opts, num_iterations=iterations), problems[0])
@@ -252,8 +252,6 @@ def search_hosts_from(best: Candidate, target_ms: float, budget_s: float) -> Can
     """`best`, or a better greedy schedule on a host map the local search finds (host_search.py)."""
     from planner.adaptive.host_search import search_hosts
 
-    if not round_trips_covered(best.problem):
-        return best  # tight memory: the search never paid there (docs/planner.md 4b); TIGHT does (4e)
     found = search_hosts(
         best.problem,
         best.schedule.iteration_time_ms,

@@ -119,7 +119,7 @@ def test_tight_portfolio_plans_are_valid(data: st.DataObject) -> None:
     job = data.draw(small_jobs(max_d=3, max_p=4, max_m=5))
     scenario = data.draw(recoverable_scenarios(job))
     problem = Problem.build(job, scenario)
-    assume(not round_trips_covered(problem))
+    assume(not round_trips_covered(problem.job, problem.scenario))
     target = memory_bound(job, scenario)
     best = plan_greedy(job, scenario, target_ms=target, budget_s=0.5, problems=[problem])
     validate(job, scenario, best.schedule)

@@ -24,6 +24,7 @@ import dataclasses
 
 from planner.adaptive.greedy import _WAKE, GreedyOptions, GreedyRun, _Sim, _WorkerState, run_greedy
 from planner.bounds import allocate_stage, warmup_idle_ms
+from planner.contract import FailureScenario, JobSpec
 from planner.problem import Problem
 
 SLACK_TOLERANCE = 1e-9  # relative: a stage whose load bound is this far below the job's has slack
@@ -36,11 +37,10 @@ class LookaheadOptions(GreedyOptions):
     b_patience: float = 0.6  # hold an F or W back when a B arrives within this many F durations
 
 
-def round_trips_covered(problem: Problem) -> bool:
+def round_trips_covered(job: JobSpec, scenario: FailureScenario) -> bool:
     """Whether every stage's memory holds enough activations to cover its round trip (the warm-up
     idle of the memory-aware bound, planner/bounds.py warmup_idle_ms, is zero everywhere)."""
-    job, scenario = problem.job, problem.scenario
-    return all(warmup_idle_ms(job, scenario, s, 1.0, 10**9) <= 0 for s in range(problem.num_stages))
+    return all(warmup_idle_ms(job, scenario, s, 1.0, 10**9) <= 0 for s in range(job.num_stages))
 
 
 def slack_stages(problem: Problem) -> set[int]:
