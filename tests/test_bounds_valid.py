@@ -1,6 +1,7 @@
-"""The bounds (planner/bounds.py) never exceed the steady-state iteration time of a valid schedule:
-random valid schedules (random hosts, random realizable orders, slow workers, tight memory), and
-every schedule of tiny instances by brute force, where the best one also shows how tight they are."""
+"""The bounds (planner/bounds.py; on random schedules also planner/bounds_single.py) never exceed
+the steady-state iteration time of a valid schedule: random valid schedules (random hosts, random
+realizable orders, slow workers, tight memory), and every schedule of tiny instances by brute
+force, where the best one also shows how tight they are."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.bounds import load_bound, memory_bound
+from planner.bounds_single import single_worker_bound_ms
 from planner.contract import Action, FailureScenario, JobSpec, Schedule, SlowWorker, WorkerSchedule
 from planner.errors import ScheduleRuleError
 from planner.simulator import validate
@@ -89,6 +91,9 @@ def test_bounds_hold_for_random_valid_schedules(data: st.DataObject, seed: int) 
         return
     assert load_bound(job, scenario) <= t * (1 + 1e-9)
     assert memory_bound(job, scenario) <= t * (1 + 1e-9)
+    single = single_worker_bound_ms(job, scenario)  # planner/bounds_single.py
+    assert single is not None
+    assert single <= t * (1 + 1e-9)
 
 
 def every_schedule(job: JobSpec, scenario: FailureScenario) -> list[dict[Worker, list[Op]]]:
