@@ -44,6 +44,7 @@ from api.solver import Solver
 from api.store import JobRecord, Store
 from api.store_coord import Coordinator
 from planner.contract import FailureScenario, JobSpec
+from planner.contract_fields import unread_fields
 from planner.errors import InvalidInputError
 
 __all__ = ["POLL_WAIT_FRACTION", "JobRuntime", "JobService", "Plan", "all_done", "event_result", "hash_token"]
@@ -156,7 +157,8 @@ class JobService(JobEvents):
         )
         idem = None
         if idempotency_key is not None:
-            answer = JobCreated(id=rec.id, worker_token=token, version=1, state="running")
+            warnings = unread_fields(req.job, "job.")
+            answer = JobCreated(id=rec.id, worker_token=token, version=1, state="running", warnings=warnings)
             idem = new_record(idempotency_key, req, answer)
         self.store.create_job(rec, idem)
         rt = self.jobs.get(rec.id)  # the listener may have added it already (its NOTIFY)

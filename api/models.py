@@ -65,6 +65,11 @@ class JobCreated(BaseModel):
     worker_token: str = Field(description="Bearer token for this job's workers (GET schedule only).")
     version: int
     state: str
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="Fields of the job spec that recycle does not read, ignored (a misspelt "
+        "field, e.g. `failed_workers` for `failed`), each with the closest known name.",
+    )
 
 
 class Precompute(BaseModel):
@@ -226,6 +231,11 @@ class PlanRequest(BaseModel):
 class PlanResponse(BaseModel):
     schedule: dict[str, Any]
     figures: dict[str, Any]
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="Fields of the job spec and the scenario that recycle does not read, ignored (a misspelt "
+        "field, e.g. `failed_workers` for `failed`), each with the closest known name.",
+    )
 
 
 class ScheduleEnvelope(BaseModel):

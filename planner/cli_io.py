@@ -6,12 +6,14 @@ import argparse
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from planner.contract import FailureScenario, SlowWorker
+from planner.contract_fields import unread_fields
 from planner.errors import InvalidInputError
 
 Doc = TypeVar("Doc", bound=BaseModel)
@@ -28,7 +30,9 @@ def describe_validation_error(exc: ValidationError) -> str:
 
 
 def read_document(path: str, model: type[Doc], what: str) -> Doc:
-    """Parse `path` as JSON into `model`; InvalidInputError names the file and the field."""
+    """Parse `path` as JSON into `model`; InvalidInputError names the file and the field. Fields of a
+    job spec or failure scenario that recycle does not read are named on stderr (a misspelt field).
+    """
     p = Path(path)
     try:
         text = p.read_text()
@@ -41,11 +45,14 @@ def read_document(path: str, model: type[Doc], what: str) -> Doc:
             f"{what} {path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from exc
     try:
-        return model.model_validate(data)
+        doc = model.model_validate(data)
     except ValidationError as exc:
         raise InvalidInputError(
             f"{what} {path} is not a valid {what}:\n{describe_validation_error(exc)}"
         ) from exc
+    for line in unread_fields(doc):
+        print(f"warning: {what} {path}: {line}", file=sys.stderr)
+    return doc
 
 
 def parse_worker(text: str, flag: str) -> tuple[int, int]:

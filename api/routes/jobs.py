@@ -23,6 +23,7 @@ from api.models import (
     RestoreInfo,
 )
 from api.restore import restorable_iteration
+from planner.contract_fields import unread_fields
 from planner.errors import InvalidInputError
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -104,7 +105,8 @@ async def create_job(
             return answer
     rt, token = await service.create(body, idempotency_key)
     _start_precompute(request, service, rt)
-    return JobCreated(id=rt.record.id, worker_token=token, version=1, state="running")
+    warnings = unread_fields(body.job, "job.")
+    return JobCreated(id=rt.record.id, worker_token=token, version=1, state="running", warnings=warnings)
 
 
 @router.get("", response_model=JobList)

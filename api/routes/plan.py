@@ -14,6 +14,7 @@ from api.models import PlanRequest, PlanResponse
 from api.rules import check_dimensions
 from api.solve_partition import REPARTITION_PLANS, check_repartition
 from api.solver import raise_error
+from planner.contract_fields import unread_fields
 
 router = APIRouter(prefix="/v1", tags=["plan"])
 
@@ -50,4 +51,5 @@ async def what_if(body: PlanRequest, service: ServiceDep, _: ControllerDep) -> P
     service.metrics.solve_seconds.labels(purpose="whatif").observe(time.perf_counter() - t0)
     service.metrics.solves.labels(purpose="whatif", source=out.source or "error").inc()
     raise_error(out)
-    return PlanResponse(schedule=json.loads(out.physical_json), figures=out.figures)
+    warnings = unread_fields(body.job, "job.") + unread_fields(body.scenario, "scenario.")
+    return PlanResponse(schedule=json.loads(out.physical_json), figures=out.figures, warnings=warnings)
