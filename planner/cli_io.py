@@ -35,15 +35,21 @@ def read_document(path: str, model: type[Doc], what: str) -> Doc:
     """
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise InvalidInputError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise InvalidInputError(
+            f"{what} {path} is not UTF-8 text (byte {exc.start}): save it as UTF-8 JSON"
+        ) from exc
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidInputError(
             f"{what} {path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from exc
+    except RecursionError:
+        raise InvalidInputError(f"{what} {path} is nested too deeply to be a {what}") from None
     try:
         doc = model.model_validate(data)
     except ValidationError as exc:
@@ -149,12 +155,18 @@ def write_output(path: str, text: str, flag: str) -> None:
         raise InvalidInputError(f"{flag} {path}: cannot write: {exc.strerror or exc}") from exc
 
 
+MAX_FLAG_VALUE = 1e12  # seconds: 31,000 years, well inside a timedelta
+
+
 def finite_float(text: str) -> float:
-    """argparse type of every float flag: a finite number (NaN and infinity are refused, exit 2)."""
+    """argparse type of every float flag: a finite number of size at most MAX_FLAG_VALUE (NaN,
+    infinity and e.g. 1e300 are refused, exit 2)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    if abs(value) > MAX_FLAG_VALUE:  # e.g. --time-limit 1e300 overflowed a timedelta after workers started
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range (at most {MAX_FLAG_VALUE:g} in size)")
     return value

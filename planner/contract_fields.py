@@ -4,7 +4,7 @@ CONTRACT.md welcomes extra optional fields, so a job spec or a failure scenario 
 models do not declare is valid. A misspelt field is valid too, and silently means something else:
 `{"failed_workers": [[1, 2]]}` is the failure-free scenario. `unread_fields` lists every field of a
 job spec or a failure scenario that is neither declared nor one of the extensions recycle reads
-(docs/contract.md 1b), with the closest known name; the CLI prints them as warnings and the
+(docs/contract.md 1b) or writes, with the closest known name; the CLI prints them as warnings and the
 service returns them with its answer.
 """
 
@@ -16,11 +16,12 @@ from pydantic import BaseModel
 
 from planner.contract import Comm, FailureScenario, JobSpec, SlowWorker, StageProfile
 
-# Extensions that are read through the extras, by the model that holds them.
-READ_EXTRAS: dict[type[BaseModel], frozenset[str]] = {
+# Extensions recycle reads through the extras, or writes itself (`recycle profile` records the fused
+# backward it measured), by the model that holds them.
+KNOWN_EXTRAS: dict[type[BaseModel], frozenset[str]] = {
     JobSpec: frozenset({"layers", "model", "partition"}),
     Comm: frozenset({"migration_mib_per_ms"}),
-    StageProfile: frozenset(),
+    StageProfile: frozenset({"backward_fused_measured"}),
     FailureScenario: frozenset(),
     SlowWorker: frozenset(),
 }
@@ -30,7 +31,7 @@ def unread_fields(doc: BaseModel, prefix: str = "") -> list[str]:
     """One line per field of `doc` (a job spec or failure scenario, nested models included) that
     recycle ignores, e.g. "failed_workers: not a field recycle reads, ignored (did you mean
     'failed'?)". Other documents (schedules) give no lines."""
-    known_extras = READ_EXTRAS.get(type(doc))
+    known_extras = KNOWN_EXTRAS.get(type(doc))
     if known_extras is None:
         return []
     lines = []

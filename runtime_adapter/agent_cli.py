@@ -43,6 +43,7 @@ from runtime_adapter.cli_inputs import (
     parse_kwargs,
     parse_store,
     resolve_checkpoint_every,
+    service_url,
 )
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def add_agent_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p = sub.add_parser(
         "agent", help="start and supervise this host's workers of a job on the planner service"
     )
-    p.add_argument("--service", required=True, help="planner service URL")
+    p.add_argument("--service", type=service_url, required=True, help="planner service URL")
     p.add_argument("--job-id", required=True, help="the job's id on the service")
     p.add_argument("--token", required=True, help="the job's worker token (or the controller token)")
     p.add_argument("--workers", required=True, help='this host\'s workers as "d,s;d,s" (pipeline,stage)')

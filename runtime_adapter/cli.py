@@ -28,6 +28,7 @@ from runtime_adapter.cli_inputs import (
     parse_store,
     read_job,
     resolve_checkpoint_every,
+    service_url,
 )
 from runtime_adapter.launch_cli import add_launch_parser, cmd_launch
 
@@ -53,7 +54,7 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--stage", type=int, required=True)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--schedule-file", help="schedule envelope file {version, schedule}")
-    src.add_argument("--service", help="planner service URL (with --job-id and --token)")
+    src.add_argument("--service", type=service_url, help="planner service URL (with --job-id and --token)")
     p.add_argument("--job-id")
     p.add_argument("--token")
     p.add_argument("--store", required=True, help="host:port of the rendezvous TCPStore")

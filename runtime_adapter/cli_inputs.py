@@ -8,6 +8,7 @@ import os
 import socket
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from planner.cli_io import read_document
 from planner.contract import JobSpec
@@ -23,6 +24,15 @@ DEFAULT_ENTRY = "runtime_adapter.model:training"  # the reference GPT (keyword a
 def read_job(path: str) -> JobSpec:
     """The job spec at `path` (docs/contract.md section 1)."""
     return read_document(path, JobSpec, "job spec")
+
+
+def service_url(text: str) -> str:
+    """argparse type of --service: an http:// or https:// URL with a host (else exit 2 at once,
+    before any worker starts)."""
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL with a host")
+    return text
 
 
 def parse_kwargs(text: str) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from runtime_adapter.cli_inputs import (
     parse_store,
     read_job,
     resolve_checkpoint_every,
+    service_url,
 )
 from runtime_adapter.settings import runtime_settings
 
@@ -61,7 +62,11 @@ def add_launch_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         help="plans from `recycle precompute JOB -o DIR` (for this job spec), or hand-made schedules "
         "named failed-none.json, failed-1.1.json, failed-0.2-1.1.json (failed workers d.s, sorted)",
     )
-    src.add_argument("--service", help="planner service URL: register the job there and be its controller")
+    src.add_argument(
+        "--service",
+        type=service_url,
+        help="planner service URL: register the job there and be its controller",
+    )
     p.add_argument(
         "--plan-on-demand",
         action="store_true",

@@ -91,8 +91,12 @@ def _load(
     )
     if args.time_limit <= 0 or args.workers < 1:
         raise InvalidInputError("--time-limit must be positive and --workers at least 1")
-    cache = PlanCache(args.plans)
+    if args.checkpoint_interval is not None and args.checkpoint_interval <= 0:
+        raise InvalidInputError("--checkpoint-interval must be above 0 (omit it for Young/Daly's interval)")
     names = tuple(n.strip() for n in args.strategies.split(",") if n.strip())
+    if not names:
+        raise InvalidInputError("--strategies: name at least one strategy")
+    cache = PlanCache(args.plans)
     limit = timedelta(seconds=args.time_limit)
     try:
         strategies = make_strategies(job, costs, cache, names, limit, exact=exact)
@@ -155,6 +159,10 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     job, _, cache, strategies, fallback = _load(args)
     if args.max_failures < 0 or args.max_scenarios < 1:
         raise InvalidInputError("--max-failures must be >= 0 and --max-scenarios >= 1")
+    if args.max_failures > job.num_pipelines * job.num_stages:
+        raise InvalidInputError(
+            f"--max-failures {args.max_failures}: the job has {job.num_pipelines * job.num_stages} workers"
+        )
     t0 = time.perf_counter()
     chosen = choose_scenarios(job, args.max_failures, args.max_scenarios, args.seed)
     if {"recycle", "recycle+barrier"} & set(strategies):
@@ -341,11 +349,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     job, costs, cache, strategies, fallback = _load(args, exact=args.exact)
     gpus = _gpus_per_worker(job, args.gpus_per_worker)
     num_workers = job.num_pipelines * job.num_stages
-    worker_mtbf = args.mtbf or args.gpu_mtbf / gpus
+    if args.mtbf is not None and args.mtbf <= 0:
+        raise InvalidInputError("--mtbf must be above 0")
+    worker_mtbf = args.mtbf if args.mtbf is not None else args.gpu_mtbf / gpus
     if args.trace:
         events = read_trace(args.trace, job)
         failures = sum(e.kind == "fail" and e.time_s < args.duration for e in events)
-        job_mtbf = args.mtbf / num_workers if args.mtbf else args.duration / max(1, failures)
+        job_mtbf = args.mtbf / num_workers if args.mtbf is not None else args.duration / max(1, failures)
     else:
         events = generate_trace(job, worker_mtbf, args.repair, args.duration, args.seed)
         job_mtbf = worker_mtbf / num_workers
@@ -353,9 +363,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from planner.cli_io import make_parent
 
         write_trace(events, make_parent(args.write_trace, "--write-trace"))
-    if not costs.checkpoint_interval_s and costs.checkpoint_s <= 0:
+    if costs.checkpoint_interval_s is None and costs.checkpoint_s <= 0:
         raise InvalidInputError("--checkpoint-cost must be positive unless --checkpoint-interval is given")
-    interval = costs.checkpoint_interval_s or young_daly_interval_s(job_mtbf, costs.checkpoint_s)
+    interval = (
+        costs.checkpoint_interval_s
+        if costs.checkpoint_interval_s is not None
+        else young_daly_interval_s(job_mtbf, costs.checkpoint_s)
+    )
     if args.exact and {"recycle", "recycle+barrier"} & set(strategies):
         sets = [normalize(job, sc) for sc in _failure_sets(events)]
         todo = [Canonical(n.scenario, n.key, 1) for n in sets]

@@ -101,9 +101,11 @@ def check_events(events: list[Event], source: str = "trace") -> list[Event]:
 def read_trace(path: str | Path, job: JobSpec) -> list[Event]:
     """Events of a CSV trace, sorted and checked; TraceError names the offending line."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"trace {path} is not UTF-8 text (byte {exc.start}): save it as UTF-8 CSV") from None
     events = []
     for lineno, row in enumerate(csv.reader(text.splitlines()), start=1):
         if not row or all(not c.strip() for c in row) or row[0].lstrip().startswith("#"):
