@@ -76,7 +76,10 @@ def render_summary(fig: dict[str, Any], report: dict[str, Any]) -> str:
         cp = fig.get("cpsat") or {}
         if cp:
             detail = f"{cp.get('status')}"
-            if cp.get("wall_s") is not None:
+            if cp.get("method") == "windows":
+                steps, better = cp["steps"], cp["improvements"]
+                detail = f"window re-solves: {steps} steps, {better} improved, {cp['wall_s']:.1f} s"
+            elif cp.get("wall_s") is not None:
                 detail += f" in {cp['wall_s']:.1f} s, proven bound {cp.get('cpsat_bound_ms') or 0:.3f} ms"
             elif cp.get("reason"):
                 detail += f" ({cp['reason']})"

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 GAIN_THRESHOLD = 1e-3  # a schedule within 0.1% of the best bound is not worth a solve
 HOST_SEARCH_SHARE = 0.7  # share of the greedy budget kept for the host-map search (host_search.py)
 CRITICAL_BUDGET = 2.0  # the critical-cycle search's budget on a reduced grid, in greedy budgets
+WINDOWS_MIN_OPS = 1000  # window re-solves (tight memory) from this size; below, the whole model
 
 
 @dataclass
@@ -141,12 +142,8 @@ def plan(
     # Not on large jobs: one greedy run takes seconds there, too few trials for a search to pay; not
     # where memory does not cover a round trip (it never paid there, section 4e: the tight policies run).
     job_ops = 3 * job.num_pipelines * job.num_microbatches * job.num_stages
-    search = (
-        red is None
-        and mb <= lb * (1 + 1e-9)
-        and job_ops <= SMALL_OPS
-        and round_trips_covered(job, norm.scenario)
-    )
+    covered = round_trips_covered(job, norm.scenario)
+    search = red is None and mb <= lb * (1 + 1e-9) and job_ops <= SMALL_OPS and covered
     best = plan_greedy(
         small,
         norm.scenario,
@@ -185,7 +182,12 @@ def plan(
         if num_ops <= settings.cpsat_max_ops:
             from planner.adaptive.refine import refine_with_cpsat
 
-            improved, cpsat_info = refine_with_cpsat(best.problem, best.orders, cpsat_limit, lb, mb, progress)
+            # Where memory does not cover a round trip, window re-solves (section 5 of docs/planner.md);
+            # a small model goes whole (CP-SAT may prove it optimal and stop early).
+            windows = not covered and num_ops >= WINDOWS_MIN_OPS
+            improved, cpsat_info = refine_with_cpsat(
+                best.problem, best.orders, cpsat_limit, lb, mb, progress, windows=windows
+            )
             if improved is not None and improved.iteration_time_ms < greedy_ms - 1e-9:
                 best, source = Candidate(best.problem, {}, improved, "cpsat"), "cpsat"
         else:

@@ -18,7 +18,7 @@ from planner.cpsat.symmetry import add_symmetry_breaking
 from planner.cpsat.timing import DEFAULT_SCALE, IntTiming
 from planner.cpsat.variables import CpSatVars, FrozenTimes, Orders, new_vars
 from planner.cpsat.window import add_windows
-from planner.problem import Problem
+from planner.problem import Problem, WorkerId
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class BuildOptions:
 
     `horizon_ms` bounds every time of the iteration frame. `free_stages` None re-optimises every
     worker; otherwise only workers of those stages, the others keep `fixed_orders` as chains.
+    `free_workers`, when given, names the re-optimised workers instead (planner/cpsat/lns.py).
     `max_period_ms` caps T (tests and what-if questions).
     `memory` and `symmetry` switch those families off (tests, experiments).
     """
@@ -35,6 +36,7 @@ class BuildOptions:
     lower_bound_ms: float = 0.0
     scale: int = DEFAULT_SCALE
     free_stages: frozenset[int] | None = None
+    free_workers: frozenset[WorkerId] | None = None
     max_period_ms: float | None = None
     memory: bool = True
     symmetry: bool = True
@@ -58,6 +60,8 @@ def build_model(
     timing = IntTiming(problem, scale=options.scale)
     horizon = math.ceil(options.horizon_ms * options.scale)
     free = {w for w in problem.workers() if options.free_stages is None or w[1] in options.free_stages}
+    if options.free_workers is not None:
+        free = set(options.free_workers)
     v = new_vars(problem, timing, horizon, free, frozen)
     add_precedences(v)
     add_optimizer_steps(v)
