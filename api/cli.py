@@ -116,6 +116,27 @@ def check_dir(path: Path, what: str = "--data-dir") -> str | None:
         return f"{what} {path}: cannot create it ({exc.strerror or exc})"
     if not os.access(path, os.W_OK | os.X_OK):
         return f"{what} {path}: not writable"
+    return check_sqlite_file(path, what)
+
+
+def check_sqlite_file(path: Path, what: str) -> str | None:
+    """None when `path` holds no store yet or one SQLite can read, else why not (a corrupt or
+    foreign file would otherwise fail in the server's start-up with a traceback)."""
+    import sqlite3
+
+    from api.store_sqlite import DB_NAME
+
+    db = path / DB_NAME
+    if not db.exists():
+        return None
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            conn.execute("PRAGMA schema_version").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        return f"{what} {path}: {DB_NAME} is not a usable SQLite database ({exc}); move it or use another"
     return None
 
 

@@ -44,7 +44,9 @@ class Settings(BaseSettings):
         "makes the PostgreSQL store SIGKILL its own process while committing that event.",
     )
     controller_token: SecretStr | None = Field(
-        default=None, description="Bearer token for mutating endpoints; required unless insecure_dev."
+        default=None,
+        description="The job controller's bearer token, for every /v1 endpoint (a job's workers may "
+        "instead use the worker token its registration returned); required unless insecure_dev.",
     )
     insecure_dev: bool = Field(default=False, description="Run without any authentication (local dev only).")
     max_body_bytes: int = Field(default=1_000_000, ge=1024, description="Largest request body accepted.")

@@ -68,6 +68,9 @@ def _insert(db: sqlite3.Connection, table: str, vals: dict[str, Any]) -> None:
     db.execute(f"INSERT INTO {table} ({', '.join(vals)}) VALUES ({marks})", tuple(vals.values()))
 
 
+DB_NAME = "recycle.sqlite3"
+
+
 class SQLiteStore(StoreReads):
     """Store in `<data_dir>/recycle.sqlite3`, WAL mode, one connection guarded by a lock.
 
@@ -79,7 +82,7 @@ class SQLiteStore(StoreReads):
 
     def __init__(self, data_dir: Path) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
-        self.path = data_dir / "recycle.sqlite3"
+        self.path = data_dir / DB_NAME
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row

@@ -7,7 +7,7 @@ indices 0-based. Extra fields are kept (CONTRACT.md welcomes optional extensions
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -15,13 +15,17 @@ from pydantic import (
     Field,
     NonNegativeFloat,
     NonNegativeInt,
+    Strict,
     ValidationError,
     model_validator,
 )
 
 from planner.errors import InvalidInputError, UnrecoverableScenarioError
 
-Worker = tuple[NonNegativeInt, NonNegativeInt]
+Index = Annotated[int, Strict(), Field(ge=0)]
+"""A 0-based index: an integer, not `true`, `"1"` or `1.0` (a boolean read as 1 once failed a stage)."""
+
+Worker = tuple[Index, Index]
 """A worker `[d, s]`: pipeline d, stage s."""
 
 MicroBatch = tuple[NonNegativeInt, NonNegativeInt]
@@ -159,9 +163,11 @@ class JobSpec(_Doc):
     """A training job: D pipelines x P stages, M micro-batches per pipeline, per-stage profiles."""
 
     name: str = Field(min_length=1, description="Job name; schedules refer to it in `job`.")
-    num_pipelines: int = Field(ge=1, le=MAX_PIPELINES, description="D, data-parallel pipelines.")
-    num_stages: int = Field(ge=1, le=MAX_STAGES, description="P, pipeline stages.")
-    num_microbatches: int = Field(ge=1, le=MAX_MICROBATCHES, description="M, micro-batches per pipeline.")
+    num_pipelines: int = Field(ge=1, le=MAX_PIPELINES, strict=True, description="D, data-parallel pipelines.")
+    num_stages: int = Field(ge=1, le=MAX_STAGES, strict=True, description="P, pipeline stages.")
+    num_microbatches: int = Field(
+        ge=1, le=MAX_MICROBATCHES, strict=True, description="M, micro-batches per pipeline."
+    )
     stages: list[StageProfile] = Field(description="Exactly num_stages profiles; entry s profiles stage s.")
     comm: Comm = Field(description="Communication costs.")
     memory_capacity_mib: NonNegativeFloat | list[NonNegativeFloat] | None = Field(

@@ -110,6 +110,14 @@ def test_serve_rejects_unusable_data_dir_and_busy_port(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
+def test_serve_rejects_a_corrupt_store_file(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "recycle.sqlite3").write_text("garbage")
+    r = run_serve(["--port", "0"], tmp_path)
+    assert r.returncode == 2 and "recycle.sqlite3 is not a usable SQLite database" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
 def test_serve_port_values_parse() -> None:
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))

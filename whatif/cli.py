@@ -51,8 +51,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("job", help="job spec JSON (docs/contract.md section 1)")
     p.add_argument(
         "--plans",
-        help="plan cache directory (from `recycle precompute`; created if missing); "
-        "misses are planned and added",
+        help="plan cache directory (from `recycle precompute`): whatif plans the failure sets it misses "
+        "and adds them (creating it if missing); simulate estimates them unless --exact",
     )
     p.add_argument(
         "--strategies",
@@ -197,7 +197,11 @@ def add_simulate_parser(sub: Any) -> None:
         "ones the plan cache misses; slower, and reports what the estimate would have changed",
     )
     p.add_argument("--trace", help="CSV of time,worker,event (see docs/whatif.md)")
-    p.add_argument("--mtbf", type=_duration("h"), help="mean time between failures of ONE worker (e.g. 6h)")
+    p.add_argument(
+        "--mtbf",
+        type=_duration("h"),
+        help="mean time between failures of ONE worker (e.g. 6h; a bare number is hours)",
+    )
     p.add_argument(
         "--gpu-mtbf",
         type=_duration("h"),
@@ -205,8 +209,18 @@ def add_simulate_parser(sub: Any) -> None:
         help="per-GPU MTBF, divided by --gpus-per-worker when --mtbf is absent (default: Llama 3's 50,700 h)",
     )
     p.add_argument("--gpus-per-worker", type=int, help="default: the spec's model.tensor_parallel, else 1")
-    p.add_argument("--repair", type=_duration("h"), default=2 * 3600.0, help="repair time (default 2h)")
-    p.add_argument("--duration", type=_duration("h"), default=7 * 86400.0, help="run length (default 7d)")
+    p.add_argument(
+        "--repair",
+        type=_duration("h"),
+        default=2 * 3600.0,
+        help="repair time (default 2h; a bare number is hours)",
+    )
+    p.add_argument(
+        "--duration",
+        type=_duration("h"),
+        default=7 * 86400.0,
+        help="run length (default 7d; a bare number is hours)",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
         "--plot", metavar="PATH.png|PATH.svg", help="write a plot of throughput over time here (PNG or SVG)"

@@ -1,0 +1,51 @@
+"""Worker indices and the grid's counts are integers, not `true`, `"1"` or `1.0`: a boolean worker
+[true, false] once read as [1, 0], lost a stage and restored the job (outside audit, session 9)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from planner.contract import FailureScenario, JobSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = json.loads((ROOT / "examples" / "gpt3-1.3b-p4d4.json").read_text())
+
+
+@pytest.mark.parametrize("worker", [[True, False], ["1", 0], [1.0, 0], [0, -1]])
+def test_worker_indices_are_integers(worker: list[Any]) -> None:
+    with pytest.raises(ValidationError):
+        FailureScenario.model_validate({"failed": [worker]})
+    with pytest.raises(ValidationError):
+        FailureScenario.model_validate_json(json.dumps({"slow": [{"worker": worker, "factor": 2}]}))
+    assert FailureScenario.model_validate({"failed": [[1, 0]]}).failed == [(1, 0)]
+
+
+@pytest.mark.parametrize("field", ["num_pipelines", "num_stages", "num_microbatches"])
+@pytest.mark.parametrize("value", [True, "4", 4.0])
+def test_grid_counts_are_integers(field: str, value: Any) -> None:
+    with pytest.raises(ValidationError, match=field):
+        JobSpec.model_validate({**JOB, field: value})
+    JobSpec.model_validate_json(json.dumps(JOB))  # the shipped example still reads
+
+
+def test_service_refuses_a_boolean_worker(tmp_path: Path) -> None:
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from api.settings import Settings
+
+    ctl = {"Authorization": "Bearer ctl"}
+    app = create_app(Settings(data_dir=tmp_path, controller_token="ctl"))  # type: ignore[arg-type]
+    with TestClient(app) as c:
+        body = {"job": JOB, "max_failures": 0, "heartbeat_enabled": False}
+        job_id = c.post("/v1/jobs", json=body, headers=ctl).json()["id"]
+        ev = {"event_id": "e1", "kind": "fail", "workers": [[True, False]]}
+        r = c.post(f"/v1/jobs/{job_id}/events", json=ev, headers=ctl)
+        assert r.status_code == 422, r.text
+        assert c.get(f"/v1/jobs/{job_id}", headers=ctl).json()["failed"] == []
