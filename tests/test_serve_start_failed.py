@@ -15,7 +15,10 @@ pytest.importorskip("fastapi")
 
 @pytest.mark.timeout(60)
 def test_a_store_that_cannot_open_is_exit_1(tmp_path: Path) -> None:
-    (tmp_path / "recycle.sqlite3").write_bytes(b"not a database" * 512)  # the directory check passes
+    # The up-front checks pass (a writable directory, no database file yet; a corrupt file is caught
+    # by them, tests/test_api_cli.py), but SQLite cannot create its write-ahead log: a directory
+    # stands where the file goes, so the store fails while the application starts.
+    (tmp_path / "recycle.sqlite3-wal").mkdir()
     run = subprocess.run(
         [sys.executable, "-m", "api.cli", "--port", "0", "--insecure-dev", "--data-dir", str(tmp_path)],
         env={k: v for k, v in os.environ.items() if not k.startswith("RECYCLE_")},
@@ -24,4 +27,4 @@ def test_a_store_that_cannot_open_is_exit_1(tmp_path: Path) -> None:
         timeout=50,
     )
     assert run.returncode == 1, (run.returncode, run.stderr[-2000:])
-    assert "file is not a database" in run.stderr and "Application startup failed" in run.stderr
+    assert "disk I/O error" in run.stderr and "Application startup failed" in run.stderr
