@@ -23,7 +23,7 @@ from planner.errors import InvalidInputError
 from planner.orders import Orders
 from planner.problem import MicroBatchId, Problem, WorkerId
 
-_DONE, _WAKE = 0, 1  # event kinds: completions before wake-ups at the same instant
+DONE, WAKE = 0, 1  # event kinds: completions before wake-ups at the same instant
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,9 @@ class GreedyRun:
 
 
 @dataclass
-class _WorkerState:
+class WorkerState:
+    """One worker's state in the simulation (subclasses of GreedySim read it in `_on_wake`)."""
+
     d: int
     s: int
     hosted: list[MicroBatchId]
@@ -69,7 +71,10 @@ class _WorkerState:
     times: list[tuple[float, float]] = field(default_factory=list)
 
 
-class _Sim:
+class GreedySim:
+    """The list scheduler's event simulation; planner/adaptive/lookahead.py and tight.py subclass it
+    and override `_on_wake` (the choice of a free worker's next op)."""
+
     def __init__(self, problem: Problem, opts: GreedyOptions) -> None:
         self.p = problem
         self.opts = opts
@@ -77,7 +82,7 @@ class _Sim:
         self.N = opts.num_iterations
         self.events: list[tuple[float, int, int, tuple]] = []
         self.seq = itertools.count()
-        self.workers: dict[WorkerId, _WorkerState] = {}
+        self.workers: dict[WorkerId, WorkerState] = {}
         self.w_left: dict[tuple[int, int], int] = {}  # (s, it) -> Ws left at the stage
         self.w_last: dict[tuple[int, int], float] = {}
         self.opt_end: list[float] = [0.0] * self.N
@@ -102,7 +107,7 @@ class _Sim:
                 float("inf") if cap is None else max(cap * self.opts.capacity_margin, prof.activation_mib)
             )
             extra = self.opts.inflight_extra
-            self.workers[d, s] = _WorkerState(
+            self.workers[d, s] = WorkerState(
                 d=d,
                 s=s,
                 hosted=hosted[d, s],
@@ -119,21 +124,21 @@ class _Sim:
     def _push(self, t: float, kind: int, payload: tuple) -> None:
         heapq.heappush(self.events, (t, kind, next(self.seq), payload))
 
-    def _start_iteration(self, ws: _WorkerState, t: float) -> None:
+    def _start_iteration(self, ws: WorkerState, t: float) -> None:
         ws.left = 3 * len(ws.hosted)
         ws.ready_b.setdefault(ws.iteration, [])
         fh = ws.ready_f.setdefault(ws.iteration, [])
         if ws.s == 0:
             for d, m in ws.hosted:
                 heapq.heappush(fh, (t, m, d))
-        self._push(t, _WAKE, (ws.d, ws.s))
+        self._push(t, WAKE, (ws.d, ws.s))
 
     def run(self) -> GreedyRun:
         for ws in self.workers.values():
             self._start_iteration(ws, 0.0)
         while self.events:
             t, kind, _, payload = heapq.heappop(self.events)
-            if kind == _DONE:
+            if kind == DONE:
                 self._on_done(t, payload)
             else:
                 self._on_wake(t, self.workers[payload[0], payload[1]])
@@ -148,7 +153,7 @@ class _Sim:
         )
 
     # --- choosing -----------------------------------------------------------------------------
-    def _on_wake(self, t: float, ws: _WorkerState) -> None:
+    def _on_wake(self, t: float, ws: WorkerState) -> None:
         if ws.free_at > t or ws.iteration >= self.N:
             return
         it = ws.iteration
@@ -180,21 +185,21 @@ class _Sim:
             if opt_ready <= t:
                 self._begin(ws, t, "OPT", None)
             else:
-                self._push(opt_ready, _WAKE, (ws.d, ws.s))
+                self._push(opt_ready, WAKE, (ws.d, ws.s))
             return
         if nxt is not None:
-            self._push(nxt, _WAKE, (ws.d, ws.s))
+            self._push(nxt, WAKE, (ws.d, ws.s))
 
-    def _begin(self, ws: _WorkerState, t: float, op: str, mb: MicroBatchId | None) -> None:
+    def _begin(self, ws: WorkerState, t: float, op: str, mb: MicroBatchId | None) -> None:
         end = t + self.dur[op, ws.d, ws.s]
         ws.free_at = end
         ws.order.append((op, mb))
         ws.times.append((t, end))
-        self._push(end, _DONE, (ws.d, ws.s, op, mb, ws.iteration))
+        self._push(end, DONE, (ws.d, ws.s, op, mb, ws.iteration))
         if mb is not None and op != "W":
             self._announce(ws, op, mb, end)
 
-    def _announce(self, ws: _WorkerState, op: str, mb: MicroBatchId, end: float) -> None:
+    def _announce(self, ws: WorkerState, op: str, mb: MicroBatchId, end: float) -> None:
         """Make the dependent op ready at `end` plus its hop. Its ready time is known as soon as
         this op starts, which lets the receiving worker look ahead before filling with a W."""
         p, s, it = self.p, ws.s, ws.iteration
@@ -205,7 +210,7 @@ class _Sim:
             nws = self.workers[nh, s + 1]
             heapq.heappush(nws.ready_f.setdefault(it, []), (ready, m, mb_d))
             if nws.free_at <= ready:  # a busy receiver is woken by its own completion
-                self._push(ready, _WAKE, (nh, s + 1))
+                self._push(ready, WAKE, (nh, s + 1))
         elif op == "F":
             heapq.heappush(ws.ready_b.setdefault(it, []), (end, m, mb_d))
         elif op == "B" and s > 0:
@@ -214,7 +219,7 @@ class _Sim:
             pws = self.workers[ph, s - 1]
             heapq.heappush(pws.ready_b.setdefault(it, []), (ready, m, mb_d))
             if pws.free_at <= ready:
-                self._push(ready, _WAKE, (ph, s - 1))
+                self._push(ready, WAKE, (ph, s - 1))
 
     # --- completing ---------------------------------------------------------------------------
     def _on_done(self, t: float, payload: tuple) -> None:
@@ -242,7 +247,7 @@ class _Sim:
         elif op == "W":
             ws.mem -= prof.weight_grad_mib
             self._stage_w_done(s, it, t, count=1)
-        self._push(t, _WAKE, (d, s))
+        self._push(t, WAKE, (d, s))
 
     def _stage_w_done(self, s: int, it: int, t: float, count: int) -> None:
         self.w_left[s, it] -= count
@@ -251,9 +256,9 @@ class _Sim:
             ready = self.w_last[s, it] + self.p.job.allreduce_ms(s)
             for d in self.p.alive[s]:
                 self.workers[d, s].opt_ready[it] = ready
-                self._push(ready, _WAKE, (d, s))
+                self._push(ready, WAKE, (d, s))
 
 
 def run_greedy(problem: Problem, opts: GreedyOptions | None = None) -> GreedyRun:
     """Simulate `opts.num_iterations` iterations with the list-scheduling policy; see module doc."""
-    return _Sim(problem, opts or GreedyOptions()).run()
+    return GreedySim(problem, opts or GreedyOptions()).run()

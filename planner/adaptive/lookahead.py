@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from planner.adaptive.greedy import _WAKE, GreedyOptions, GreedyRun, _Sim, _WorkerState, run_greedy
+from planner.adaptive.greedy import WAKE, GreedyOptions, GreedyRun, GreedySim, WorkerState, run_greedy
 from planner.bounds import allocate_stage, warmup_idle_ms
 from planner.contract import FailureScenario, JobSpec
 from planner.problem import Problem
@@ -51,19 +51,19 @@ def slack_stages(problem: Problem) -> set[int]:
     return {s for s, b in enumerate(bounds) if b < top * (1 - SLACK_TOLERANCE)}
 
 
-class _LookaheadSim(_Sim):
+class LookaheadSim(GreedySim):
     def __init__(self, problem: Problem, opts: LookaheadOptions) -> None:
         self.slack = slack_stages(problem)
         self.patience = opts.b_patience
         super().__init__(problem, opts)
 
-    def _on_wake(self, t: float, ws: _WorkerState) -> None:
+    def _on_wake(self, t: float, ws: WorkerState) -> None:
         if ws.s in self.slack and ws.free_at <= t and ws.iteration < self.N:
             bh = ws.ready_b.get(ws.iteration)
             if bh and t < bh[0][0] < t + self.patience * self.dur["F", ws.d, ws.s]:
                 fh = ws.ready_f.get(ws.iteration)
                 if ws.pending_w or (fh and fh[0][0] <= t):
-                    self._push(bh[0][0], _WAKE, (ws.d, ws.s))  # the B's arrival wakes it again
+                    self._push(bh[0][0], WAKE, (ws.d, ws.s))  # the B's arrival wakes it again
                     return
         super()._on_wake(t, ws)
 
@@ -71,5 +71,5 @@ class _LookaheadSim(_Sim):
 def run_policy(problem: Problem, opts: GreedyOptions) -> GreedyRun:
     """`run_greedy`, or the look-ahead scheduler when `opts` is LookaheadOptions."""
     if isinstance(opts, LookaheadOptions) and opts.b_patience > 0:
-        return _LookaheadSim(problem, opts).run()
+        return LookaheadSim(problem, opts).run()
     return run_greedy(problem, opts)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
-from planner.adaptive.greedy import GreedyOptions, GreedyRun, _WorkerState
-from planner.adaptive.lookahead import LookaheadOptions, _LookaheadSim
+from planner.adaptive.greedy import GreedyOptions, GreedyRun, WorkerState
+from planner.adaptive.lookahead import LookaheadOptions, LookaheadSim
 from planner.problem import Problem
 
 
@@ -28,12 +28,12 @@ class TightOptions(LookaheadOptions):
     f_first: bool = False
 
 
-class _TightSim(_LookaheadSim):
+class TightSim(LookaheadSim):
     def __init__(self, problem: Problem, opts: TightOptions) -> None:
         self.f_first = opts.f_first
         super().__init__(problem, opts)
 
-    def _on_wake(self, t: float, ws: _WorkerState) -> None:
+    def _on_wake(self, t: float, ws: WorkerState) -> None:
         if self.f_first and ws.s == 0 and ws.free_at <= t and ws.iteration < self.N:
             fh = ws.ready_f.get(ws.iteration)
             prof = self.p.job.stages[0]
@@ -99,4 +99,4 @@ def neighbours(opts: GreedyOptions) -> list[TightOptions]:
 
 def run_tight(problem: Problem, opts: TightOptions) -> GreedyRun:
     """The list scheduler with the tight-memory knobs (module doc)."""
-    return _TightSim(problem, opts).run()
+    return TightSim(problem, opts).run()
