@@ -165,13 +165,14 @@ def run_bench(args: argparse.Namespace) -> int:
     paths = args.instances or sorted(str(p) for p in Path("examples").glob("*.json"))
     if not paths:
         raise InvalidInputError("no instances given and none found in examples/")
-    from planner.cli_io import read_document
+    from planner.cli_io import check_output_dir, read_document
 
+    jobs = [read_document(path, JobSpec, "job spec") for path in paths]  # every input read before any output
+    check_output_dir(args.out, "--out")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, object]] = []
-    for path in paths:
-        job = read_document(path, JobSpec, "job spec")
+    for job in jobs:
         for label, failed in failure_cases(job, args.max_failures):
             if args.cases and label not in args.cases:
                 continue

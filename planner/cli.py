@@ -23,6 +23,7 @@ from planner.errors import InvalidInputError, ScheduleRuleError, UnrecoverableSc
 from planner.outputs.gantt_stages import STAGE_VIEW_ABOVE
 
 EXIT_INPUT, EXIT_UNRECOVERABLE, EXIT_INVALID = 2, 3, 4
+MAX_VALIDATE_ITERATIONS = 1000  # `recycle validate`'s K: the replay costs K x the ops
 
 
 def _progress_printer(label: str = "planning") -> Callable[[str], None]:
@@ -112,9 +113,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
         scenario = read_document(args.scenario, FailureScenario, "failure scenario")
     else:
         scenario = schedule.scenario()
-    iterations = args.iterations or schedule.replay_iterations or 4
+    iterations = args.iterations if args.iterations is not None else schedule.replay_iterations or 4
     if iterations < 4:
         raise InvalidInputError("--iterations must be at least 4 (docs/contract.md section 4)")
+    if iterations > MAX_VALIDATE_ITERATIONS:
+        source = "--iterations" if args.iterations is not None else "the schedule's replay_iterations"
+        raise InvalidInputError(
+            f"{source} {iterations}: at most {MAX_VALIDATE_ITERATIONS} replayed iterations"
+        )
     try:
         report = validate(job, scenario, schedule, num_iterations=iterations)
     except ScheduleRuleError as exc:
@@ -180,7 +186,8 @@ def add_validate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignor
         "--iterations",
         type=int,
         default=None,
-        help="replayed iterations K (>= 4; default: the schedule's replay_iterations, else 4)",
+        help=f"replayed iterations K (4 to {MAX_VALIDATE_ITERATIONS}; default: the schedule's "
+        "replay_iterations, else 4)",
     )
     v.add_argument("--json", action="store_true", help="print JSON")
     v.set_defaults(func=cmd_validate)

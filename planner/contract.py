@@ -7,6 +7,7 @@ indices 0-based. Extra fields are kept (CONTRACT.md welcomes optional extensions
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -21,6 +22,8 @@ from pydantic import (
 )
 
 from planner.errors import InvalidInputError, UnrecoverableScenarioError
+
+MAX_TOTAL = 1e30  # an iteration's summed ms or MiB: far beyond any job, far below float overflow
 
 Index = Annotated[int, Strict(), Field(ge=0)]
 """A 0-based index: an integer, not `true`, `"1"` or `1.0` (a boolean read as 1 once failed a stage)."""
@@ -189,8 +192,26 @@ class JobSpec(_Doc):
             raise ValueError(
                 f"memory_capacity_mib: has {len(self.memory_capacity_mib)} entries but num_stages is {p}"
             )
+        self._check_magnitude()
         self._check_layers()
         return self
+
+    def _check_magnitude(self) -> None:
+        """An iteration's total time and memory must be finite floats: 1e308 ms per op is finite, but
+        D*M of them is not, and the figures turned into NaN downstream (a 500 in the service)."""
+        slots = self.num_pipelines * self.num_microbatches
+        comm = self.comm
+        ar = comm.allreduce_ms if isinstance(comm.allreduce_ms, list) else [comm.allreduce_ms]
+        total = sum(
+            slots * (st.forward + st.backward_input + st.backward_weight) + st.optimizer for st in self.stages
+        )
+        total += sum(ar) + slots * self.num_stages * 2 * max(comm.activation_ms, comm.cross_pipeline_ms)
+        mem = sum(slots * (st.activation_mib + st.weight_grad_mib) for st in self.stages)
+        if not (math.isfinite(total) and math.isfinite(mem) and total < MAX_TOTAL and mem < MAX_TOTAL):
+            raise ValueError(
+                f"stages: the figures are too large (one iteration would take {total:.3g} ms and hold "
+                f"{mem:.3g} MiB); give milliseconds and MiB"
+            )
 
     def _check_layers(self) -> None:
         """Optional issue-12 extras `layers` (per-layer profiles) and `partition` (layer map)."""

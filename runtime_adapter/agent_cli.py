@@ -32,6 +32,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from planner.cli_io import check_output_dir
 from planner.errors import InvalidInputError
 from runtime_adapter.assignment import Worker
 from runtime_adapter.backoff import Backoff
@@ -250,6 +251,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     device, backend = _check_training(args, job, model)
     agent_id = args.agent_id or socket.gethostname()
     out = Path(args.out or f"recycle-{args.job_id}")
+    check_output_dir(str(out), "--out")  # not a regular file: one line, exit 2, before anything starts
     spec = LaunchSpec(job, model, args.iterations, out, backend, entry=args.entry, device=device,
                       check_data=args.check_data, checkpoint_every=args.checkpoint_every,
                       checkpoint_dir=checkpoint_location(args.checkpoint_dir), pace_ms=args.pace_ms,

@@ -15,12 +15,13 @@ import os
 import sys
 from pathlib import Path
 
-from planner.cli_io import check_output, finite_float, make_parent
+from planner.cli_io import check_output, check_output_dir, finite_float, write_output
 from planner.errors import InvalidInputError
 from runtime_adapter.cli_inputs import (
     DEFAULT_ENTRY,
     add_checkpoint_args,
     add_model_args,
+    check_envelope_file,
     check_min,
     check_worker,
     parse_fail_at,
@@ -113,6 +114,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     check_min("--pace-ms", args.pace_ms, 0)
     check_min("--restore-epoch", args.restore_epoch, 0)
     resume_at = parse_resume_at(args.resume_at, args.resume, args.checkpoint_dir)
+    check_output_dir(args.out, "--out")
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # a standalone worker: its accounting goes here
     install_log_prefix(worker)
     opts = WorkerOptions(
         worker=worker,
@@ -141,6 +144,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     )
     source: ScheduleSource
     if args.schedule_file:
+        check_envelope_file(Path(args.schedule_file))
         source = FileScheduleSource(Path(args.schedule_file), worker, job.num_pipelines, job.num_microbatches)
     else:
         if not (args.job_id and args.token):
@@ -290,7 +294,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
         doc = with_layers(doc, training, layers)
         print(f"{len(layers)} layers measured; partition {doc['partition']}")
     if args.out:
-        make_parent(args.out, "-o").write_text(json.dumps(doc, indent=2) + "\n")
+        text = json.dumps(doc, indent=2) + "\n"
+        try:
+            write_output(args.out, text, "-o")
+        except InvalidInputError:
+            print(text, end="")  # the measurements are not lost: the spec goes to stdout instead
+            raise
         print(f"job spec written to {args.out}")
     return 0
 

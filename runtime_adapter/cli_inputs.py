@@ -26,6 +26,22 @@ def read_job(path: str) -> JobSpec:
     return read_document(path, JobSpec, "job spec")
 
 
+def check_envelope_file(path: Path) -> None:
+    """--schedule-file: a file that exists must be a schedule envelope now (one the launcher has
+    not written yet is waited for, as the launcher writes it atomically after starting workers)."""
+    from runtime_adapter.sources import envelope_problem
+
+    if not path.exists():
+        return
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InvalidInputError(f"--schedule-file {path}: not readable JSON ({exc})") from None
+    problem = envelope_problem(doc)
+    if problem is not None:
+        raise InvalidInputError(f"--schedule-file {path}: {problem}")
+
+
 def service_url(text: str) -> str:
     """argparse type of --service: an http:// or https:// URL with a host (else exit 2 at once,
     before any worker starts)."""
@@ -123,8 +139,10 @@ def check_store_port(port: int) -> None:
 def check_fresh_out(out: Path, checkpoints: str | os.PathLike[str], checkpointing: bool) -> None:
     """--out must not hold an earlier run's accounting (it is appended to), nor, with checkpointing,
     the checkpoint directory an earlier run's checkpoints (a restore would load them)."""
+    from planner.cli_io import check_output_dir
     from runtime_adapter import checkpoint  # torch: not when only the parser is built
 
+    check_output_dir(str(out), "--out")  # a regular file, or below one: one line before anything starts
     old = sorted(out.glob("acct_*.jsonl"))
     if old:
         raise InvalidInputError(

@@ -77,7 +77,7 @@ def add_launch_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument(
         "--max-failures",
         type=int,
-        default=1,
+        default=None,
         help="with --service: the service precomputes plans for every failure set of up to this many "
         "failed workers (default 1); larger sets are planned when they happen",
     )
@@ -148,6 +148,13 @@ def _check_flags(args: argparse.Namespace) -> None:
     args.checkpoint_every = resolve_checkpoint_every(args.checkpoint_every)
     check_min("--checkpoint-every", args.checkpoint_every, 0)
     check_min("--pace-ms", args.pace_ms, 0)
+    service_only = (("--max-failures", args.max_failures), ("--heartbeat-timeout", args.heartbeat_timeout))
+    given = [flag for flag, value in service_only if value is not None]
+    if given and not args.service:
+        raise InvalidInputError(
+            f"{' and '.join(given)}: only with --service (the service precomputes and watches)"
+        )
+    args.max_failures = 1 if args.max_failures is None else args.max_failures
     check_min("--max-failures", args.max_failures, 0)
     check_min("--heartbeat-timeout", args.heartbeat_timeout, 0, strict=True)
     check_min("--timeout", args.timeout, 0, strict=True)

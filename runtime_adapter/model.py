@@ -185,6 +185,8 @@ def gpt_training(
         raise ValueError(f"lr must be a positive finite number (below 1e6), not {lr!r}")
     if not isinstance(exact_sums, bool):
         raise ValueError(f"exact_sums must be true or false, not {exact_sums!r}")
+    if clip_scope not in ("stage", "global"):
+        raise ValueError(f"clip_scope must be 'stage' or 'global', not {clip_scope!r}")
     rate = lr if lr is not None else (0.05 if optimizer == "sgd" else 1e-3)
 
     def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:

@@ -57,6 +57,18 @@ class ScheduleSource(Protocol):
         ...
 
 
+def envelope_problem(doc: object) -> str | None:
+    """Why `doc` is not a schedule envelope {"version": N, "schedule": {...}}, or None."""
+    if not isinstance(doc, dict) or "schedule" not in doc or "version" not in doc:
+        return (
+            'not a schedule envelope {"version": N, "schedule": ...} (a bare schedule, e.g. what '
+            '`recycle plan -o` writes, goes under "schedule" with a version)'
+        )
+    if isinstance(doc["version"], bool) or not isinstance(doc["version"], int) or doc["version"] < 0:
+        return f"version: expected a non-negative integer, got {doc['version']!r}"
+    return None
+
+
 class FileScheduleSource:
     """A JSON file with {"version": N, "schedule": <CONTRACT.md schedule>}, replaced atomically."""
 
@@ -76,6 +88,9 @@ class FileScheduleSource:
                 raise SourceUnavailable(f"{self.path}: missing") from e
             except (OSError, ValueError) as e:
                 raise SourceUnavailable(f"{self.path}: {e}") from e
+            problem = envelope_problem(doc)
+            if problem is not None:
+                raise SourceUnavailable(f"{self.path}: {problem}")
             if int(doc["version"]) > after_version:
                 schedule = Schedule.model_validate(doc["schedule"])
                 a = assignment_from_schedule(

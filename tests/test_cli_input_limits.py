@@ -1,7 +1,8 @@
 """Inputs an outside audit found crashing or silently re-meant (session 9): files that are not UTF-8
 or nest too deeply, float flags too large for a timedelta, --max-failures above D*P, a zero MTBF or
-checkpoint interval taken as "not given", an empty strategy list, a --service URL without a scheme.
-Each is now one line on stderr and exit 2, before any work starts."""
+checkpoint interval taken as "not given", an empty strategy list, a --service URL without a scheme,
+an --out that is a file, a bare schedule given as a schedule envelope, a write error after the work.
+Each is now one line on stderr and exit 2 (before any work starts where it can be known then)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,66 @@ def test_profile_output_reads_back_without_warnings(
     out = tmp_path / "s.json"
     assert main(["plan", str(job), "--no-cpsat", "--time-limit", "2", "-o", str(out)]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_write_errors_after_the_work_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full")
+    argv = [
+        "simulate",
+        JOB,
+        "--strategies",
+        "checkpoint-restart",
+        "--duration",
+        "24h",
+        "--write-trace",
+        "/dev/full",
+    ]
+    refused(argv, "--write-trace /dev/full: cannot write", capsys)
+
+
+def test_bench_reads_every_job_before_writing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    refused(["bench", JOB, "--out", str(afile)], "exists and is not a directory", capsys)
+    out = tmp_path / "results"
+    refused(["bench", JOB, str(tmp_path / "missing.json"), "--out", str(out)], "cannot read job spec", capsys)
+    assert not out.exists()  # nothing left behind for a run that did not start
+
+
+def test_runtime_commands_check_out_and_schedule_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    launch = ["launch", "--job", JOB, "--schedules", str(tmp_path), "--iterations", "1"]
+    refused([*launch, "--out", str(afile)], "exists and is not a directory", capsys)
+    bare = tmp_path / "bare.json"  # what `recycle plan -o` writes: a schedule, not an envelope
+    assert main(["plan", JOB, "--no-cpsat", "--time-limit", "1", "-o", str(bare)]) == 0
+    capsys.readouterr()
+    worker = ["worker", "--job", JOB, "--pipeline", "0", "--stage", "0", "--store", "127.0.0.1:1"]
+    worker += ["--iterations", "1", "--out", str(tmp_path / "w"), "--schedule-file", str(bare)]
+    refused(worker, "not a schedule envelope", capsys)
+
+
+def test_trace_events_after_the_run_are_named_not_counted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "late.csv"
+    trace.write_text("time,worker,event\n30d,0:0,fail\n")
+    assert main(["simulate", JOB, "--trace", str(trace), "--strategies", "checkpoint-restart"]) == 0
+    out = capsys.readouterr()
+    assert "1 event(s) at or after --duration 168.0 h are not played" in out.err
+    assert "0 failures over 168.0 h" in out.out
+
+
+def test_validate_caps_the_replayed_iterations(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sched = tmp_path / "s.json"
+    assert main(["plan", JOB, "--no-cpsat", "--time-limit", "1", "-o", str(sched)]) == 0
+    refused(
+        ["validate", JOB, str(sched), "--iterations", "100000000"], "at most 1000 replayed iterations", capsys
+    )
+    doc = json.loads(sched.read_text())
+    doc["replay_iterations"] = 10**8
+    sched.write_text(json.dumps(doc))
+    refused(["validate", JOB, str(sched)], "the schedule's replay_iterations 100000000", capsys)

@@ -1,5 +1,6 @@
 """Worker indices and the grid's counts are integers, not `true`, `"1"` or `1.0`: a boolean worker
-[true, false] once read as [1, 0], lost a stage and restored the job (outside audit, session 9)."""
+[true, false] once read as [1, 0], lost a stage and restored the job; figures so large that an
+iteration overflows are refused (outside audit, session 9)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,14 @@ def test_service_refuses_a_boolean_worker(tmp_path: Path) -> None:
         r = c.post(f"/v1/jobs/{job_id}/events", json=ev, headers=ctl)
         assert r.status_code == 422, r.text
         assert c.get(f"/v1/jobs/{job_id}", headers=ctl).json()["failed"] == []
+
+
+def test_figures_whose_iteration_overflows_are_refused() -> None:
+    doc = json.loads(json.dumps(JOB))
+    for st in doc["stages"]:
+        st["forward"] = 1e308  # finite, but D*M of them are not: NaN figures and a 500 before
+    with pytest.raises(ValidationError, match="the figures are too large"):
+        JobSpec.model_validate(doc)
+    for st in doc["stages"]:
+        st["forward"] = 1e6  # large, but an iteration stays a number
+    JobSpec.model_validate(doc)

@@ -143,6 +143,7 @@ def test_bad_flags_exit_2_before_anything_starts(
         (["--print-every", "0"], "--print-every must be at least 1"),
         (["--store-port", "70000"], "--store-port 70000"),
         (["--model", '{"num_layers": 1}'], "cannot be split into 2 stages"),
+        (["--model", '{"clip_scope": "x"}'], "clip_scope must be 'stage' or 'global'"),  # also without clip
     ]
     for extra, message in cases:
         assert main(launch(inputs, out, *extra)) == 2, extra
@@ -151,6 +152,8 @@ def test_bad_flags_exit_2_before_anything_starts(
     assert main(["launch", "--job", inputs[0], "--service", "http://127.0.0.1:1", "--out", str(out),
                  "--max-failures", "-1"]) == 2  # fmt: skip
     assert "--max-failures must be at least 0" in capsys.readouterr().err
+    assert main(launch(inputs, out, "--max-failures", "2", "--heartbeat-timeout", "5")) == 2  # --schedules
+    assert "--max-failures and --heartbeat-timeout: only with --service" in capsys.readouterr().err
     assert main(["launch", "--job", inputs[0], "--service", "http://127.0.0.1:1", "--out", str(out),
                  "--plan-on-demand"]) == 2  # fmt: skip
     assert "--plan-on-demand goes with --schedules" in capsys.readouterr().err

@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -124,6 +126,15 @@ def _check_outputs(args: argparse.Namespace, files: tuple[str, ...]) -> None:
         check_output(getattr(args, name), flag, PICTURE_SUFFIXES if name == "plot" else None)
 
 
+@contextmanager
+def _writing(flag: str, path: str) -> Iterator[None]:
+    """A write error (disk full, /proc, ...) after the work is done: one line naming the flag."""
+    try:
+        yield
+    except OSError as exc:
+        raise InvalidInputError(f"{flag} {path}: cannot write: {exc.strerror or exc}") from exc
+
+
 def _plot_path(path: str) -> Path:
     from planner.cli_io import make_parent
 
@@ -171,11 +182,12 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     result = evaluate(job, strategies, fallback, failure_free_1f1b_ms(job), chosen)
     print(render(result, list(strategies)))
     print(f"(done in {time.perf_counter() - t0:.1f} s)", flush=True)
+    _write_json(args.json, result.to_dict())
     if args.plot:
         from whatif.plots import plot_whatif
 
-        plot_whatif(result, list(strategies), _plot_path(args.plot))
-    _write_json(args.json, result.to_dict())
+        with _writing("--plot", args.plot):
+            plot_whatif(result, list(strategies), _plot_path(args.plot))
     return 0
 
 
@@ -369,6 +381,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.trace:
         events = read_trace(args.trace, job)
         failures = sum(e.kind == "fail" and e.time_s < args.duration for e in events)
+        late = sum(e.time_s >= args.duration for e in events)
+        if late:
+            print(
+                f"warning: --trace {args.trace}: {late} event(s) at or after --duration "
+                f"{args.duration / 3600:.1f} h are not played (give a longer --duration to include them)",
+                file=sys.stderr,
+            )
         job_mtbf = args.mtbf / num_workers if args.mtbf is not None else args.duration / max(1, failures)
     else:
         events = generate_trace(job, worker_mtbf, args.repair, args.duration, args.seed)
@@ -376,7 +395,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.write_trace:
         from planner.cli_io import make_parent
 
-        write_trace(events, make_parent(args.write_trace, "--write-trace"))
+        with _writing("--write-trace", args.write_trace):
+            write_trace(events, make_parent(args.write_trace, "--write-trace"))
     if costs.checkpoint_interval_s is None and costs.checkpoint_s <= 0:
         raise InvalidInputError("--checkpoint-cost must be positive unless --checkpoint-interval is given")
     interval = (
@@ -397,7 +417,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     runs = play(strategies, progress=True)
     print(
-        f"{job.name}: {sum(e.kind == 'fail' for e in events)} failures over {args.duration / 3600:.1f} h, "
+        f"{job.name}: {sum(e.kind == 'fail' and e.time_s < args.duration for e in events)} failures over "
+        f"{args.duration / 3600:.1f} h, "
         f"job MTBF {job_mtbf / 3600:.2f} h, checkpoint every {interval / 60:.1f} min "
         f"({'given' if costs.checkpoint_interval_s else 'Young/Daly'}), spares: {costs.spares}"
     )
@@ -434,7 +455,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
         base_rate = job.num_pipelines * job.num_microbatches / (base_ms / 1000.0)
         title = f"{job.name}: throughput over time"
-        plot_simulation(runs, args.duration, base_rate, _plot_path(args.plot), title)
+        with _writing("--plot", args.plot):
+            plot_simulation(runs, args.duration, base_rate, _plot_path(args.plot), title)
     return 0
 
 
