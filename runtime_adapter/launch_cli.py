@@ -317,7 +317,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     """Check everything, start the job, supervise it, print the training and a summary."""
     from runtime_adapter.launch import Launcher, LaunchError, LaunchSpec, WorkerStartupError
     from runtime_adapter.progress import JobMonitor
-    from runtime_adapter.publishers import PublisherError, ServicePublisher
+    from runtime_adapter.publishers import PublisherError, RegistrationRefused, ServicePublisher
     from runtime_adapter.summary import summarize
 
     def fail(msg: str, code: int) -> int:
@@ -363,6 +363,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     except WorkerStartupError as e:
         _finish(publisher)
         return fail(str(e), 2 if e.code == 2 else 1)
+    except RegistrationRefused as e:  # a wrong token, or a job or flag the service's limits refuse
+        launcher.terminate()
+        return fail(str(e), 2)
     except (LaunchError, PublisherError, TimeoutError, OSError) as e:
         launcher.terminate()
         _finish(publisher)

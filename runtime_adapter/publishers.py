@@ -102,6 +102,23 @@ class PublisherError(RuntimeError):
     """The service refused the controller (bad token, unknown job, invalid event): not retried."""
 
 
+class RegistrationRefused(PublisherError):
+    """The service answered the job's registration with a 4xx: the launch's input is wrong (exit 2)."""
+
+
+def refusal_text(status: int, answer: object) -> str:
+    """A service's 4xx answer as one line: its `detail` (FastAPI's field list joined), else as sent."""
+    detail = answer.get("detail", answer) if isinstance(answer, dict) else answer
+    if isinstance(detail, list):  # a request validation error: [{"loc": [...], "msg": ...}, ...]
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in d.get('loc', [])[1:])}: {d.get('msg')}"
+            if isinstance(d, dict)
+            else str(d)
+            for d in detail
+        )
+    return f"HTTP {status}: {detail}"
+
+
 class Publisher(Protocol):
     """What the launcher needs from a schedule publisher."""
 

@@ -29,7 +29,7 @@ from typing import Any
 from planner.contract import JobSpec
 from runtime_adapter.assignment import Worker
 from runtime_adapter.backoff import Backoff
-from runtime_adapter.publishers import Outcome, PublisherError, Restore
+from runtime_adapter.publishers import Outcome, PublisherError, RegistrationRefused, Restore, refusal_text
 from runtime_adapter.supervisor_follow import VersionFollower
 
 logger = logging.getLogger(__name__)
@@ -143,6 +143,8 @@ class ServicePublisher:
         # answer was lost (timeout, reset), the retry gets that job back instead of a second one.
         key = {"Idempotency-Key": uuid.uuid4().hex}
         status, answer = self._retrying("POST", "/v1/jobs", self.registration, self.timeout_s, key)
+        if 400 <= status < 500:
+            raise RegistrationRefused(f"the service refused the job ({refusal_text(status, answer)})")
         if status != 201:
             raise PublisherError(f"registering the job: HTTP {status} {answer}")
         self.job_id, self.worker_token = answer["id"], answer["worker_token"]

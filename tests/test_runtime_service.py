@@ -21,7 +21,7 @@ import pytest
 from runtime_adapter.assignment import Worker
 from runtime_adapter.client import HttpScheduleSource, ScheduleClient, SourceRejected
 from runtime_adapter.launch import Launcher, LaunchSpec
-from runtime_adapter.publishers import ServicePublisher
+from runtime_adapter.publishers import RegistrationRefused, ServicePublisher
 from tests.jobs import tiny_job
 from tests.test_api_live import TOKEN, free_port, server
 from tests.test_runtime_process import (
@@ -69,6 +69,17 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with server(tmp_path_factory.mktemp("service"), port, **SERVICE_ENV) as proc:
         yield f"http://127.0.0.1:{port}"
         stop(proc)
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_registration_is_one_readable_line(service: str) -> None:
+    job = tiny_job(2, 2)
+    with pytest.raises(
+        RegistrationRefused, match=r"refused the job \(HTTP 401: missing or invalid bearer token\)"
+    ):
+        ServicePublisher(service, "wrong-token", job, 1).start()
+    with pytest.raises(RegistrationRefused, match=r"HTTP 422: max_failures: 99 is above the limit"):
+        ServicePublisher(service, TOKEN, job, 99).start()  # launch turns it into exit 2
 
 
 @pytest.mark.timeout(60)
