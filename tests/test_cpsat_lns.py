@@ -76,3 +76,9 @@ def test_plan_uses_the_windows_where_memory_binds_on_large_models() -> None:
     result = plan(job, FailureScenario(failed=[(1, 2), (2, 5)]), time_limit=datetime.timedelta(seconds=3))
     assert result.cpsat["method"] == "windows" and result.cpsat["steps"] >= 1  # 1,536 ops
     assert result.iteration_time_ms <= result.greedy_ms + 1e-9
+
+
+def test_large_models_get_one_stage_windows_without_presolve() -> None:
+    small, large = LnsOptions.for_size(1_536), LnsOptions.for_size(6_100)  # 6.7b-mem1x, 13b-mem1x
+    assert not small.one_stage and small.presolve
+    assert large.one_stage and not large.presolve and large.step_s > small.step_s

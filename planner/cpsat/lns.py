@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 EPS_MS = 1e-6
 BUSY_SHARE = 0.02  # workers busy within 2% of the busiest
 RANDOM_SHARE = 0.25
+LARGE_OPS = 4000
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,16 @@ class LnsOptions:
     window_fraction: float = 0.25  # share of the period freed per step
     step_s: float = 2.0  # CP-SAT time per step
     seed: int = 0
+    one_stage: bool = False  # free only the window's ops on the stage of the chosen gap
+    presolve: bool = True  # CP-SAT's presolve (4-5 s on 6,000 ops: longer than a step)
+
+    @staticmethod
+    def for_size(num_ops: int) -> LnsOptions:
+        """The defaults; from LARGE_OPS ops (gpt3-13b-p8d8-mem1x: 6,100) one-stage windows of 30% of
+        the period, 3 s steps without presolve, the only variant that moved 13b (docs/planner.md 5)."""
+        if num_ops < LARGE_OPS:
+            return LnsOptions()
+        return LnsOptions(window_fraction=0.3, step_s=3.0, one_stage=True, presolve=False)
 
 
 @dataclass
@@ -73,7 +84,7 @@ def lns_orders(
 
     `progress(elapsed_s, best_ms)` is called after each improvement. Raises ScheduleRuleError
     when `hint` itself does not replay."""
-    opts = options or LnsOptions()
+    opts = options or LnsOptions.for_size(sum(len(seq) for seq in hint.values()))
     t0 = time.monotonic()
     deadline = t0 + time_limit.total_seconds()
     rng = random.Random(opts.seed)
@@ -84,11 +95,13 @@ def lns_orders(
     h = hint_times(problem, orders, timing)
     while deadline - time.monotonic() > 0.5 and best.iteration_time_ms > target_ms * (1 + 1e-9):
         width = opts.window_fraction * h.period
-        a = _window_start(orders, h, timing, rng, width)
-        v = _window_model(problem, orders, h, timing, lower_bound_ms, a, a + width)
+        a, stage = _window_start(orders, h, timing, rng, width)
+        stages = {stage} if opts.one_stage else None
+        v = _window_model(problem, orders, h, timing, lower_bound_ms, a, a + width, stages)
         add_hint(v, h)
         left = deadline - time.monotonic()
-        res = solve(v, datetime.timedelta(seconds=min(opts.step_s, left)), num_workers=2)
+        limit = datetime.timedelta(seconds=min(opts.step_s, left))
+        res = solve(v, limit, num_workers=2, cp_model_presolve=opts.presolve)
         steps += 1
         log.debug(
             "LNS step %d: %d free workers, %s in %.2f s",
@@ -114,10 +127,13 @@ def lns_orders(
     return LnsOutcome(orders, best, steps, improvements, time.monotonic() - t0)
 
 
-def _window_start(orders: Orders, h: HintTimes, timing: IntTiming, rng: random.Random, width: float) -> float:
-    """Where the next window starts: mostly around an idle gap of one of the busiest workers (busy
-    within BUSY_SHARE of the most: their idle is what the period has above their load), the gaps
-    weighted by length, so the gap lies inside the window; one step in RANDOM_SHARE anywhere."""
+def _window_start(
+    orders: Orders, h: HintTimes, timing: IntTiming, rng: random.Random, width: float
+) -> tuple[float, int]:
+    """Where the next window starts, and the stage of its gap: mostly around an idle gap of one of
+    the busiest workers (busy within BUSY_SHARE of the most: their idle is what the period has above
+    their load), the gaps weighted by length, so the gap lies inside the window; one step in
+    RANDOM_SHARE anywhere (a random stage)."""
     busy: dict[WorkerId, float] = {}
     gaps: dict[WorkerId, list[tuple[int, int]]] = {}
     for w, seq in orders.items():
@@ -128,11 +144,11 @@ def _window_start(orders: Orders, h: HintTimes, timing: IntTiming, rng: random.R
         busy[w] = sum(d for _, d in times)
         gaps[w] = [(t1 - t0 - d0, t1) for (t0, d0), (t1, _) in itertools.pairwise(times) if t1 > t0 + d0]
     top = max(busy.values())
-    cands = [(g, t) for w, gs in gaps.items() if busy[w] >= top * (1 - BUSY_SHARE) for g, t in gs]
+    cands = [(g, t, w[1]) for w, gs in gaps.items() if busy[w] >= top * (1 - BUSY_SHARE) for g, t in gs]
     if not cands or rng.random() < RANDOM_SHARE:
-        return rng.uniform(0.0, float(h.period))
-    at = rng.choices([t for _, t in cands], weights=[g for g, _ in cands])[0]
-    return at - rng.uniform(0.2, 0.8) * width
+        return rng.uniform(0.0, float(h.period)), rng.choice(sorted({w[1] for w in orders}))
+    _, at, stage = rng.choices(cands, weights=[g for g, _, _ in cands])[0]
+    return at - rng.uniform(0.2, 0.8) * width, stage
 
 
 def _window_model(
@@ -143,13 +159,17 @@ def _window_model(
     lower_bound_ms: float,
     a: float,
     b: float,
+    stages: set[int] | None = None,
 ) -> CpSatVars:
-    """The periodic model where only the ops starting in the window [a, b) (modulo the period) are
-    free. A worker with none keeps its order as a chain (no intervals, no memory: its order fixes
-    both); a worker with some gets its no-overlap and memory, and a chain over its other ops."""
+    """The periodic model where only the ops starting in the window [a, b) (modulo the period), on
+    `stages` (None: every stage), are free. A worker with none keeps its order as a chain (no
+    intervals, no memory: its order fixes both); a worker with some gets its no-overlap and memory,
+    and a chain over its other ops."""
     period = h.period
     free_ops: set[tuple[WorkerId, int]] = set()
     for w, seq in orders.items():
+        if stages is not None and w[1] not in stages:
+            continue
         for i, (op, mb) in enumerate(seq):
             if mb is not None and (h.start[w[1], mb, op] - a) % period < b - a:
                 free_ops.add((w, i))
