@@ -181,7 +181,7 @@ def test_precompute_on_ray_loses_nothing_when_a_node_dies_and_plans_as_locally(
         assert plan is not None and plan.iteration_time_ms == pytest.approx(local.iteration_time_ms)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_a_lost_head_falls_back_to_the_local_pool_and_the_precompute_finishes(
     cluster: LocalRayCluster, client: TestClient, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -191,7 +191,9 @@ def test_a_lost_head_falls_back_to_the_local_pool_and_the_precompute_finishes(
         job_id = _register(client, job, 2)
         _wait("a first plan", lambda: _precompute(client, job_id)["done"] >= 1)
         cluster.kill_node(0)
-        _wait("the fallback", lambda: not solver.ray.alive, 30)
+        # Up to Ray's GCS reconnect timeout (60 s) when a Ray call of the driver was in flight at the
+        # kill: the probe shares its loop with them. 30 s failed twice under CI load.
+        _wait("the fallback", lambda: not solver.ray.alive, 90)
         assert solver.background_slots == 1
         _wait("the precompute", lambda: (p := _precompute(client, job_id))["done"] == p["total"] > 0, 90)
         tasks = solver.ray.tasks
