@@ -104,8 +104,9 @@ class JobEvents(VersionPublisher):
         """Commit the restore version after a needs_restore one (lock held): every worker alive (slow
         marks kept), `restore` = {previous epoch + 1, the newest iteration every stage reported a
         checkpoint for (None: initial parameters)}; every worker counts as seen now + the restore grace
-        (RECYCLE_RESTORE_GRACE_S) so that a restarted one has time to start and poll. `rec`'s answer
-        describes both versions (status 200)."""
+        (RECYCLE_RESTORE_GRACE_S) so that a restarted one has time to start and poll; until one of them
+        polls, none is declared failed (api/background.py). `rec`'s answer describes both versions
+        (status 200)."""
         needs_restore_version = rt.version
         restored = FailureScenario(slow=rt.scenario.slow)
         if plan is None:
@@ -126,6 +127,7 @@ class JobEvents(VersionPublisher):
         )  # fmt: skip
         until = time.monotonic() + self.settings.restore_grace_s
         rt.last_seen = {(d, s): until for d in range(rt.job.num_pipelines) for s in range(rt.job.num_stages)}
+        rt.restore_until = until
         log.warning(
             "job %s: stages %s lost; restored as v%d (epoch %d, checkpoint %s)",
             rt.record.id, lost_stages, rt.version, epoch, restore["iteration"],

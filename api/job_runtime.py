@@ -68,6 +68,9 @@ class JobRuntime:
     view: VersionView | None = None
     scenario_seq: int = 0
     last_seen: dict[Worker, float] = field(default_factory=dict)  # arrival of each worker's last poll
+    # The restore grace's stand-in arrival in `last_seen` (api/job_events.py): while every tracked worker
+    # still holds it, no worker came back after the restore and none is declared failed.
+    restore_until: float | None = None
     done: set[Worker] = field(default_factory=set)  # alive workers that reported `done`
 
     @property

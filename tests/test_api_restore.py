@@ -264,3 +264,30 @@ def test_after_a_restore_a_worker_that_never_polls_is_failed_after_grace_plus_ti
             failed_at
         )
         assert doc["restore"] == {"epoch": 1, "iteration": None}  # a later version carries the restore
+
+
+def test_a_job_none_of_whose_workers_comes_back_after_a_restore_is_restored_once(tmp_path: Path) -> None:
+    """Before: every worker silent after the restore was declared failed at grace + timeout, which
+    lost the stages again and restored again, every ~90 s forever. Now the job waits at the restore
+    version until a worker polls; then the ones still silent are failed as before."""
+    grace, timeout = 0.5, 0.4
+    with TestClient(create_app(settings(tmp_path / "d", restore_grace_s=grace))) as c:
+        r = c.post("/v1/jobs", json={"job": TINY, "heartbeat_timeout_s": timeout}, headers=CTL)
+        job_id, worker = r.json()["id"], {"Authorization": f"Bearer {r.json()['worker_token']}"}
+        for w in EVERYONE:  # every worker polls once: all of them are tracked
+            c.get(f"/v1/jobs/{job_id}/schedule?worker={w[0]},{w[1]}", headers=worker)
+        assert post(c, job_id, CTL, "lost", "fail", STAGE_1).status_code == 200
+        restored = job(c, job_id)
+        assert restored["restore"] == {"epoch": 1, "iteration": None}
+        time.sleep(3 * (grace + timeout))  # nobody polls: several heartbeat timeouts pass
+        doc = job(c, job_id)
+        assert (doc["version"], doc["state"], doc["failed"]) == (restored["version"], "running", []), doc
+        assert doc["restore"]["epoch"] == 1
+        pollers = [w for w in EVERYONE if w != [2, 1]]  # the restart comes back without [2, 1]
+        deadline = time.monotonic() + timeout + 3
+        while time.monotonic() < deadline and not doc["failed"]:
+            for w in pollers:
+                c.get(f"/v1/jobs/{job_id}/schedule?worker={w[0]},{w[1]}", headers=worker)
+            time.sleep(0.1)
+            doc = job(c, job_id)
+        assert doc["failed"] == [[2, 1]] and doc["state"] == "running", doc
