@@ -13,8 +13,9 @@ JOB_REFS jobs keep theirs). A task lost with its worker or node, or not finished
 budget (attempt_budget_s: twice its time limit per plan it makes, plus ATTEMPT_SLACK_S; a late one
 is cancelled on the cluster, so that it frees its CPU), is submitted again, at most RETRIES times (a
 warning each), then the request fails with TaskLost: the key is given up and logged, and a later
-start plans it. The driver probes the head's port every PROBE_S; when it refuses PROBE_MISSES times
-in a row, the driver reports and ends, and every pending and later request is answered None: the
+start plans it. A thread of the driver probes the head's port every PROBE_S (apart from the Ray
+calls, which can block for a minute on a dead head); when it refuses PROBE_MISSES times in a row,
+the driver reports and ends, and every pending and later request is answered None: the
 Solver runs it in its local background pool, with one warning, until the service restarts.
 """
 
@@ -94,6 +95,11 @@ class _Driver:
         # in flight: ref -> (request id, args, resubmissions so far, deadline)
         self.pending: dict[Any, tuple[int, tuple[Any, ...], int, float]] = {}
         self.inbox: queue.Queue[tuple[int, tuple[Any, ...]] | None] = queue.Queue()
+        self.send_lock = threading.Lock()  # the loop and the probe thread both answer on the pipe
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        with self.send_lock:
+            self.conn.send(msg)
 
     def _read(self) -> None:
         while True:
@@ -119,10 +125,10 @@ class _Driver:
 
     def _lost(self, req: int, args: tuple[Any, ...], attempt: int, why: str) -> None:
         if attempt >= RETRIES:
-            self.conn.send(("fail", req, f"a solve was lost on Ray {attempt + 1} times (last: {why})"))
+            self.send(("fail", req, f"a solve was lost on Ray {attempt + 1} times (last: {why})"))
             return
         again = f"submitting it again (retry {attempt + 1} of {RETRIES})"
-        self.conn.send(("warn", f"a background solve was lost on Ray ({why}); {again}"))
+        self.send(("warn", f"a background solve was lost on Ray ({why}); {again}"))
         self._submit(req, args, attempt + 1)
 
     def _finish(self, ref: Any) -> None:
@@ -134,9 +140,9 @@ class _Driver:
             return
         except Exception as exc:  # the task raised (api.solver.solve catches planner errors itself)
             first = (str(exc).strip().splitlines() or [""])[0]
-            self.conn.send(("fail", req, f"a solve failed on Ray: {type(exc).__name__}: {first}"))
+            self.send(("fail", req, f"a solve failed on Ray: {type(exc).__name__}: {first}"))
             return
-        self.conn.send(("done", req, out))
+        self.send(("done", req, out))
 
     def _head_reachable(self) -> bool:
         if self.endpoint is None:
@@ -147,9 +153,22 @@ class _Driver:
             return False
         return True
 
+    def _probe(self) -> None:
+        """Its own thread: a Ray call on a dead head (ray.wait, ray.get) can block up to Ray's GCS
+        reconnect timeout (60 s), which must not delay noticing that the head is gone."""
+        misses = 0
+        while True:
+            time.sleep(PROBE_S)
+            misses = 0 if self._head_reachable() else misses + 1
+            if misses >= PROBE_MISSES:
+                where = f"{self.endpoint[0]}:{self.endpoint[1]}" if self.endpoint else "?"
+                self.send(("lost", f"the Ray head at {where} refuses connections"))
+                os._exit(0)  # no ray.shutdown(): it may wait on the dead head
+
     def run(self) -> None:
         threading.Thread(target=self._read, name="requests", daemon=True).start()
-        next_probe, misses = time.monotonic() + PROBE_S, 0
+        if self.endpoint is not None:
+            threading.Thread(target=self._probe, name="head-probe", daemon=True).start()
         while True:
             try:
                 while True:
@@ -170,13 +189,6 @@ class _Driver:
                     with contextlib.suppress(Exception):  # else it holds a CPU until it ends
                         self.ray.cancel(ref, force=True)
                     self._lost(req, args, attempt, "no answer in time")
-            if now >= next_probe:
-                next_probe = now + PROBE_S
-                misses = 0 if self._head_reachable() else misses + 1
-                if misses >= PROBE_MISSES:
-                    where = f"{self.endpoint[0]}:{self.endpoint[1]}" if self.endpoint else "?"
-                    self.conn.send(("lost", f"the Ray head at {where} refuses connections"))
-                    os._exit(0)  # no ray.shutdown(): it may wait on the dead head
 
 
 def _driver_main(address: str, conn: Connection, parent_pid: int) -> None:
@@ -192,10 +204,11 @@ def _driver_main(address: str, conn: Connection, parent_pid: int) -> None:
     import ray
 
     conn.send(("ready", max(1, int(ray.cluster_resources().get("CPU", 1)))))
+    driver = _Driver(ray, conn, endpoint)
     try:
-        _Driver(ray, conn, endpoint).run()
+        driver.run()
     except Exception as exc:  # e.g. the cluster went away under ray.put: the service goes local
-        conn.send(("lost", f"the Ray driver failed ({type(exc).__name__}: {exc})".splitlines()[0]))
+        driver.send(("lost", f"the Ray driver failed ({type(exc).__name__}: {exc})".splitlines()[0]))
         os._exit(1)
     ray.shutdown()
 
