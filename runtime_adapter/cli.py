@@ -102,7 +102,7 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
 def cmd_worker(args: argparse.Namespace) -> int:
     """Run one worker until the job's iterations are done."""
     from runtime_adapter.client import FileScheduleSource, HttpScheduleSource, ScheduleSource
-    from runtime_adapter.worker import WorkerOptions, WorkerProcess, install_log_prefix
+    from runtime_adapter.worker import WaitTimeout, WorkerOptions, WorkerProcess, install_log_prefix
 
     job = read_job(args.job)
     worker = check_worker(job, (args.pipeline, args.stage))
@@ -166,6 +166,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         logging.getLogger(__name__).error("%s", e)
         print(f"error: {e}", file=sys.stderr)
         code = 2
+    except WaitTimeout as e:  # nothing came to run: one line, exit 1 (a launcher restarts or restores)
+        logging.getLogger(__name__).error("%s", e)
+        print(f"error: {e}", file=sys.stderr)
+        code = 1
     # Groups of older versions may still have a wait blocked in C++: leave without running their
     # destructors (which would abort the process after the work is done and saved).
     logging.shutdown()

@@ -70,6 +70,7 @@ class ScheduleClient:
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self.unreachable_since: float | None = None
+        self.last_unavailable = ""  # the source's last SourceUnavailable
         self._thread = threading.Thread(target=self._loop, name="recycle-client", daemon=True)
         self._reports = CheckpointReports(getattr(source, "checkpoint", None))
 
@@ -111,6 +112,12 @@ class ScheduleClient:
         """Alias of latest(): the verb the worker loop uses at safe points."""
         return self.latest()
 
+    def unreachable_note(self) -> str:
+        """'; the schedule source is unreachable: <its last error>', or '' while it answers."""
+        if self.unreachable_since is None:
+            return ""
+        return f"; the schedule source is unreachable: {self.last_unavailable}"
+
     def wait_newer(self, version: int, timeout: timedelta) -> Assignment | None:
         """The newest assignment once its version is above `version`, or None after `timeout`.
         Raises SourceRejected once the source has refused this worker."""
@@ -148,6 +155,7 @@ class ScheduleClient:
                     self.on_error(e)
                 return
             except SourceUnavailable as e:
+                self.last_unavailable = str(e)
                 if self.unreachable_since is None:
                     self.unreachable_since = time.monotonic()
                     logger.warning("schedule source unreachable, keeping version %d: %s", current, e)

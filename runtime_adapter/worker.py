@@ -88,6 +88,11 @@ __all__ = [
 ]
 
 
+class WaitTimeout(TimeoutError):
+    """No schedule version (RECYCLE_VERSION_WAIT_S) or standby call (RECYCLE_STANDBY_WAIT_S) in time:
+    `recycle worker` ends with one line and exit 1."""
+
+
 class WorkerProcess:
     """State of one worker process across schedule versions."""
 
@@ -161,7 +166,10 @@ class WorkerProcess:
         while True:
             a = self.client.wait_newer(version, self.settings.version_wait)
             if a is None:
-                raise TimeoutError(f"no schedule version above {version} within {self.settings.version_wait}")
+                raise WaitTimeout(
+                    f"no schedule version above {version} within {self.settings.version_wait_s:g} s "
+                    f"(RECYCLE_VERSION_WAIT_S){self.client.unreachable_note()}"
+                )
             version = LOG_CONTEXT["v"] = a.version
             verdict = self.incarnation.judge(a, self.fresh)
             if verdict is Verdict.WAIT:
@@ -230,7 +238,10 @@ class WorkerProcess:
                 return int(client.get(key))
             except RuntimeError as e:  # the store went away (or the wait timed out: then give up)
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(f"standby: {key} not set within {self.settings.standby_wait}") from e
+                    raise WaitTimeout(
+                        f"standby: {key} not set within {self.settings.standby_wait_s:g} s "
+                        "(RECYCLE_STANDBY_WAIT_S)"
+                    ) from e
                 logger.warning("standby: the store went away (%s); reconnecting", str(e).splitlines()[0])
                 time.sleep(0.1)
 

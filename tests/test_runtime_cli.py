@@ -1,8 +1,11 @@
 """`recycle worker` / `recycle launch`: bad input is a one-line error and exit 2, before any process
-or connection is made."""
+or connection is made; a worker that gets no schedule in time is one line and exit 1."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,3 +112,15 @@ def test_launcher_passes_a_token_that_starts_with_a_dash(job: str, tmp_path: Pat
             "--out", str(tmp_path), *pub.worker_args()]  # fmt: skip
     args = parser.parse_args(argv)
     assert (args.service, args.job_id, args.token) == ("http://127.0.0.1:1", "-j1", "-tok-en")
+
+
+def test_a_worker_given_no_schedule_in_time_says_why_in_one_line(job: str, tmp_path: Path) -> None:
+    """Before: a TimeoutError traceback after RECYCLE_VERSION_WAIT_S, not naming the missing file."""
+    args = worker_args(job, tmp_path, "--pipeline", "0", "--stage", "0", "--store", "127.0.0.1:1")
+    env = {**os.environ, "RECYCLE_VERSION_WAIT_S": "1"}
+    run = subprocess.run([sys.executable, "-m", "recycle_cli", *args], capture_output=True, text=True,
+                         env=env, timeout=50)  # fmt: skip
+    assert run.returncode == 1, run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in run.stderr and len(errors) == 1, run.stderr
+    assert "within 1 s (RECYCLE_VERSION_WAIT_S)" in errors[0] and "s.json: missing" in errors[0], run.stderr
