@@ -23,6 +23,7 @@ GOOD_ENOUGH = 5e-4  # the greedy portfolio stops within 0.05% of the best bound
 SMALL_OPS = 12_000  # up to this many ops per iteration the greedy simulates more iterations
 TIGHT_CRITICAL_SHARE = 0.4  # tight memory: share of the greedy budget for the critical-cycle search
 CRITICAL_SEEDS = 3  # ... started from the best schedules of this many greedy trials
+LONG_TRIAL_S = 20.0  # a first greedy trial longer than this and the budget: the other trials are skipped
 
 # Tried in order; stops early once a schedule meets the bound. Each differs in how eagerly deferred
 # W fills idle time and how many activations a worker keeps in flight (see GreedyOptions).
@@ -166,7 +167,8 @@ def plan_greedy(
     Each greedy run simulates several iterations; the order of every simulated iteration is a
     candidate (they differ: the greedy is not periodic, the replay of a fixed order is). Stops once
     a candidate is within GOOD_ENOUGH of `target_ms`, or once `budget_s` seconds are spent (the
-    default policy always runs on every host map). `problems`: the host maps (default host_variants).
+    default policy always runs on every host map, unless its first run alone takes longer than the
+    budget and LONG_TRIAL_S: D=P=M=64, about a minute). `problems`: the host maps (default host_variants).
     """
     t0 = time.perf_counter()
     problems = problems or host_variants(job, scenario)
@@ -205,6 +207,7 @@ def plan_greedy(
     best: Candidate | None = None
     best_opts, climbed = None, []
     tops: list[Candidate] = []  # each trial's best: the critical-cycle search's seeds (tight memory)
+    first_s = 0.0  # how long the first trial took
     for i, (opts, problem) in enumerate(trials):  # the hill-climb below inserts trials ahead
         run = run_tight(problem, opts) if isinstance(opts, TightOptions) else run_policy(problem, opts)
         seen: list[Orders] = []
@@ -238,8 +241,12 @@ def plan_greedy(
             )
         if best.schedule.iteration_time_ms <= target_ms * (1 + 1e-9):
             break
-        if i + 1 >= guaranteed and time.perf_counter() - t0 > policy_budget_s:
-            break  # the default policy always gets every host map (see above); the rest within budget
+        first_s = first_s or time.perf_counter() - t0
+        slow = first_s > max(policy_budget_s, LONG_TRIAL_S)
+        if (i + 1 >= guaranteed or slow) and time.perf_counter() - t0 > policy_budget_s:
+            # The default policy gets every host map (see above), the rest runs within the budget; on a
+            # job where one trial alone takes longer than that and LONG_TRIAL_S, only the first.
+            break
     assert best is not None
     if policy_budget_s < budget_s and best.schedule.iteration_time_ms > target_ms * (1 + 1e-9):
         # Tight memory (4e): from the best CRITICAL_SEEDS trials' schedules, fastest first.
