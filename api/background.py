@@ -176,6 +176,8 @@ async def heartbeat_loop(service: JobService) -> None:
     shared = SharedHeartbeats(service) if service.coord.shared else None
     while True:
         await asyncio.sleep(delay)
+        if service.stopping:
+            return
         now = time.monotonic()
         delay = service.settings.heartbeat_check_s
         if shared is not None:

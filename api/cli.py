@@ -22,6 +22,7 @@ import socket
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import IO, Any
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 _HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
@@ -105,6 +106,24 @@ def _stop(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+GRACEFUL_S = 10  # at a stop, requests still open after this long are cut (a what-if, a parked poll)
+
+
+def _server_class(uvicorn: Any) -> Any:
+    """uvicorn's Server, telling the service when its shutdown starts (JobService.begin_stop), before
+    uvicorn waits for open connections: parked polls end at once and no worker is heartbeat-failed
+    while nobody can reach the service."""
+
+    class Server(uvicorn.Server):  # type: ignore[misc, name-defined]
+        async def shutdown(self, sockets: Any = None) -> None:
+            service = getattr(self.config.app.state, "service", None)
+            if service is not None:
+                service.begin_stop()
+            await super().shutdown(sockets=sockets)
+
+    return Server
+
+
 def check_dir(path: Path, what: str = "--data-dir") -> str | None:
     """None when `path` is (or can be made) a writable directory, else the reason it is not (`what`:
     where the path came from)."""
@@ -117,6 +136,32 @@ def check_dir(path: Path, what: str = "--data-dir") -> str | None:
     if not os.access(path, os.W_OK | os.X_OK):
         return f"{what} {path}: not writable"
     return check_sqlite_file(path, what)
+
+
+LOCK_NAME = "recycle.lock"
+
+
+def lock_data_dir(path: Path) -> IO[str] | str:
+    """An exclusive lock on the data directory, held while the returned file stays open (flock: the
+    kernel drops it when the process ends, even by SIGKILL), or why it is taken. Two services on one
+    SQLite store each answered from their own memory: the second served stale versions and refused
+    every event with a 503 that clients retry forever."""
+    import fcntl
+
+    f = open(path / LOCK_NAME, "a+")  # noqa: SIM115 (held open on purpose)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        pid = f.read().strip()
+        f.close()
+        holder = f" (pid {pid})" if pid else ""
+        return f"--data-dir {path}: another recycle serve uses it{holder}; run one per data directory"
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 def check_sqlite_file(path: Path, what: str) -> str | None:
@@ -225,6 +270,10 @@ def _serve(args: argparse.Namespace) -> int:
         if problem is not None:
             print(f"error: {problem}", file=sys.stderr)
             return EXIT_INPUT
+    lock = None if settings.database_url else lock_data_dir(settings.data_dir)  # held until return
+    if isinstance(lock, str):
+        print(f"error: {lock}", file=sys.stderr)
+        return EXIT_INPUT
     try:
         sock = bind(args.host, args.port)
     except OSError as exc:
@@ -244,8 +293,9 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_keep_alive=args.keep_alive,
         backlog=4096,
         access_log=not args.no_access_log,
+        timeout_graceful_shutdown=GRACEFUL_S,
     )
-    server = uvicorn.Server(config)
+    server = _server_class(uvicorn)(config)
     with sock:
         try:
             server.run(sockets=[sock])

@@ -126,8 +126,7 @@ class JobEvents(VersionPublisher):
             restore=restore, answer=extra,
         )  # fmt: skip
         until = time.monotonic() + self.settings.restore_grace_s
-        rt.last_seen = {(d, s): until for d in range(rt.job.num_pipelines) for s in range(rt.job.num_stages)}
-        rt.restore_until = until
+        rt.expect_every_worker(until)
         log.warning(
             "job %s: stages %s lost; restored as v%d (epoch %d, checkpoint %s)",
             rt.record.id, lost_stages, rt.version, epoch, restore["iteration"],

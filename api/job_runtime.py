@@ -71,7 +71,20 @@ class JobRuntime:
     # The restore grace's stand-in arrival in `last_seen` (api/job_events.py): while every tracked worker
     # still holds it, no worker came back after the restore and none is declared failed.
     restore_until: float | None = None
+    closing: bool = False  # the service is shutting down: parked long-polls end (api/jobs.py begin_stop)
     done: set[Worker] = field(default_factory=set)  # alive workers that reported `done`
+
+    def expect_every_worker(self, until: float) -> None:
+        """Count every alive, not done worker as seen at `until` (after a restore or a restart of the
+        service: the time they have to come back and poll, api/background.py)."""
+        failed = {(int(d), int(s)) for d, s in self.scenario.failed}
+        self.last_seen = {
+            (d, s): until
+            for d in range(self.job.num_pipelines)
+            for s in range(self.job.num_stages)
+            if (d, s) not in failed and (d, s) not in self.done
+        }
+        self.restore_until = until
 
     @property
     def version(self) -> int:

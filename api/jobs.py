@@ -65,12 +65,28 @@ class JobService(JobEvents):
         self.jobs: dict[str, JobRuntime] = {}
         self._token_jobs: dict[str, str] = {}  # worker token hash -> job id (every poll authenticates)
         self.on_new_job: Callable[[JobRuntime], None] | None = None  # a job another replica registered
+        self.stopping = False  # begin_stop: shutting down
+
+    def begin_stop(self) -> None:
+        """A shutdown starts (api/cli.py): no more heartbeat failures (workers cannot reach a stopping
+        service, which is no sign of their death) and every parked long-poll ends now with a 304 (the
+        server waits for open connections before it stops; a poll parked for its full wait kept the
+        heartbeat checks running that long and failed healthy workers)."""
+        self.stopping = True
+        for rt in self.jobs.values():
+            rt.closing = True
+            self._wake(rt)
 
     def load(self) -> list[JobRuntime]:
-        """Read every job and its latest version from the store (at start-up)."""
+        """Read every job and its latest version from the store (at start-up). Every alive worker of a
+        running job counts as seen at start-up + RECYCLE_RESTORE_GRACE_S, as after a restore: one that
+        died while the service was down is declared failed once its peers poll again."""
+        until = time.monotonic() + self.settings.restore_grace_s
         for rec in self.store.list_jobs():
             if rec.id not in self.jobs:  # (a replica's listener may have added it already)
-                self.add(rec)
+                rt = self.add(rec)
+                if rec.state == "running":
+                    rt.expect_every_worker(until)
         return list(self.jobs.values())
 
     def add(self, rec: JobRecord) -> JobRuntime:

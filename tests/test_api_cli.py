@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -128,31 +129,42 @@ def test_serve_port_values_parse() -> None:
     assert parser.parse_args(["serve", "--keep-alive", "2.6"]).keep_alive == 3
 
 
-@pytest.mark.parametrize("how", ["SIGTERM to the service", "SIGINT to its process group (Ctrl+C)"])
-def test_quick_stop_is_clean(how: str, tmp_path: Path) -> None:
-    """Start the real service on a free port (--port 0 prints it), register a job so that the solver
-    pools are busy, and stop it a moment later: exit code 0, no traceback, no leaked semaphores."""
+def start_serve(tmp_path: Path) -> tuple[subprocess.Popen[str], str]:
+    """The real service on a free port (--port 0 prints it), ready; (process, base URL)."""
     env = dict(os.environ, RECYCLE_CONTROLLER_TOKEN="t", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "api.cli", "--port", "0", "--data-dir", str(tmp_path)]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
         start_new_session=True,
     )  # fmt: skip
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    match = re.fullmatch(r"recycle serve: listening on http://127\.0\.0\.1:(\d+)\n", line)
+    assert match, line
+    base = f"http://127.0.0.1:{match.group(1)}"
+    deadline = time.monotonic() + 30
+    while True:  # the port is bound before start-up: connections wait in the backlog
+        try:
+            if httpx.get(f"{base}/readyz", timeout=5).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the service", "SIGINT to its process group (Ctrl+C)"])
+def test_quick_stop_is_clean(how: str, tmp_path: Path) -> None:
+    """Start the real service, register a job so that the solver pools are busy, and stop it a
+    moment later: exit code 0, no traceback, no leaked semaphores."""
+    proc, base = start_serve(tmp_path)
     try:
-        assert proc.stderr is not None
-        line = proc.stderr.readline()
-        match = re.fullmatch(r"recycle serve: listening on http://127\.0\.0\.1:(\d+)\n", line)
-        assert match, line
-        base = f"http://127.0.0.1:{match.group(1)}"
-        deadline = time.monotonic() + 30
-        while True:  # the port is bound before start-up: connections wait in the backlog
-            try:
-                if httpx.get(f"{base}/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
         job = {"job": service_job_doc(3, 3, 4), "heartbeat_enabled": False}
         r = httpx.post(f"{base}/v1/jobs", json=job, headers={"Authorization": "Bearer t"}, timeout=30)
         assert r.status_code == 201
@@ -163,8 +175,62 @@ def test_quick_stop_is_clean(how: str, tmp_path: Path) -> None:
             os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc)
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "leaked" not in err and "Error" not in err, err
+
+
+def test_a_stop_ends_parked_polls_at_once_and_fails_no_worker(tmp_path: Path) -> None:
+    """Before: SIGTERM waited for the last parked long-poll (a controller's 30 s), while the
+    heartbeat checks ran on and failed every worker that could not reach the stopping service; a
+    restart then restored the job from the initial parameters. Now the polls end at once (304) and
+    no heartbeat check runs once the stop has begun."""
+    proc, base = start_serve(tmp_path)
+    ctl = {"Authorization": "Bearer t"}
+    try:
+        doc = {"job": service_job_doc(2, 2, 4), "heartbeat_timeout_s": 2.0}
+        r = httpx.post(f"{base}/v1/jobs", json=doc, headers=ctl, timeout=30)
+        assert r.status_code == 201, r.text
+        job_id, worker = r.json()["id"], {"Authorization": f"Bearer {r.json()['worker_token']}"}
+        for d, s in [(0, 0), (0, 1), (1, 0), (1, 1)]:  # every worker polled: all tracked
+            url = f"{base}/v1/jobs/{job_id}/schedule?worker={d},{s}"
+            assert httpx.get(url, headers=worker, timeout=10).status_code == 200
+        with httpx.Client(timeout=60) as client, ThreadPoolExecutor(1) as pool:
+            parked = pool.submit(client.get, f"{base}/v1/jobs/{job_id}/schedule?after_version=99&wait=30",
+                                 headers=ctl)  # fmt: skip
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert parked.result(timeout=30).status_code == 304
+            proc.communicate(timeout=30)
+            took = time.monotonic() - t0
+        assert proc.returncode == 0 and took < 5.0, took  # the heartbeat timeout (2 s) passed before
+    finally:
+        stop(proc)
+    proc, base = start_serve(tmp_path)
+    try:
+        got = httpx.get(f"{base}/v1/jobs/{job_id}", headers=ctl, timeout=10).json()
+        assert (got["version"], got["failed"]) == (1, []), got
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+        stop(proc)
+
+
+def test_a_second_service_on_the_same_data_dir_is_refused(tmp_path: Path) -> None:
+    """Before: it started, served stale versions from its own memory and refused every event with a
+    503 (version conflict) that clients retry forever."""
+    proc, _ = start_serve(tmp_path / "data")
+    try:
+        r = run_serve(["--port", "0"], tmp_path)
+        assert r.returncode == 2 and "another recycle serve uses it" in r.stderr, r.stderr
+        assert f"(pid {proc.pid})" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+        stop(proc)
+    proc, _ = start_serve(tmp_path / "data")  # the lock went with the first process
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    stop(proc)
+    assert proc.returncode == 0

@@ -291,3 +291,27 @@ def test_a_job_none_of_whose_workers_comes_back_after_a_restore_is_restored_once
             time.sleep(0.1)
             doc = job(c, job_id)
         assert doc["failed"] == [[2, 1]] and doc["state"] == "running", doc
+
+
+def test_a_worker_that_died_while_the_service_was_down_is_failed_once_its_peers_poll(tmp_path: Path) -> None:
+    """Before: after a restart every worker was untracked until its first poll, so a worker that died
+    while the service was down was never declared failed and its peers waited on it forever."""
+    grace, timeout = 0.5, 0.4
+    data = tmp_path / "d"
+    with TestClient(create_app(settings(data, restore_grace_s=grace))) as c:
+        r = c.post("/v1/jobs", json={"job": TINY, "heartbeat_timeout_s": timeout}, headers=CTL)
+        job_id, worker = r.json()["id"], {"Authorization": f"Bearer {r.json()['worker_token']}"}
+        for w in EVERYONE:
+            c.get(f"/v1/jobs/{job_id}/schedule?worker={w[0]},{w[1]}", headers=worker)
+    with TestClient(create_app(settings(data, restore_grace_s=grace))) as c:
+        time.sleep(2 * (grace + timeout))  # nobody polls: nobody is failed (the job waits for them)
+        assert job(c, job_id)["failed"] == []
+        pollers = [w for w in EVERYONE if w != [1, 0]]  # [1, 0] died while the service was down
+        deadline = time.monotonic() + grace + timeout + 3
+        doc = job(c, job_id)
+        while time.monotonic() < deadline and not doc["failed"]:
+            for w in pollers:
+                c.get(f"/v1/jobs/{job_id}/schedule?worker={w[0]},{w[1]}", headers=worker)
+            time.sleep(0.1)
+            doc = job(c, job_id)
+        assert doc["failed"] == [[1, 0]] and doc["state"] == "running", doc

@@ -66,7 +66,8 @@ async def wait_newer(
     receive: Receive | None = None,
     cap: Callable[[], float] | None = None,
 ) -> VersionView | None:
-    """The current view once its version is above `after`, or None after `wait_s` seconds.
+    """The current view once its version is above `after`, or None after `wait_s` seconds (at once
+    when the service shuts down: JobService.begin_stop).
 
     With `receive` (the request's ASGI receive), a client that disconnects ends the wait with
     ClientGone (nobody would read the answer). `cap()`, read again on every wake-up, bounds the wait
@@ -75,7 +76,7 @@ async def wait_newer(
     start = time.monotonic()
     gone: asyncio.Future[Any] | None = None
     try:
-        while rt.view is None or rt.version <= after:
+        while (rt.view is None or rt.version <= after) and not rt.closing:
             limit = wait_s if cap is None else min(wait_s, cap())
             remaining = start + limit - time.monotonic()
             if remaining <= 0:
@@ -97,7 +98,7 @@ async def wait_newer(
     finally:
         if gone is not None:
             gone.cancel()
-    return rt.view
+    return None if rt.view is None or rt.version <= after else rt.view
 
 
 _WAIT_DOC = {
