@@ -32,7 +32,10 @@ class JobCreate(BaseModel):
     max_failures: int = Field(default=2, ge=0, description="Precompute plans for up to this many failures.")
     heartbeat_enabled: bool = Field(default=True, description="Declare silent workers failed.")
     heartbeat_timeout_s: float | None = Field(
-        default=None, gt=0, le=86400, description="Silence that fails a worker; default from settings."
+        default=None,
+        ge=0.1,
+        le=86400,
+        description="Silence that fails a worker, 0.1 s to a day; default from settings.",
     )
     restore_policy: RestorePolicy = Field(
         default="auto",
@@ -55,7 +58,7 @@ class JobPatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     heartbeat_enabled: bool | None = Field(default=None, description="Turn heartbeat failure on or off.")
-    heartbeat_timeout_s: float | None = Field(default=None, gt=0, le=86400, description="New timeout.")
+    heartbeat_timeout_s: float | None = Field(default=None, ge=0.1, le=86400, description="New timeout.")
 
 
 class JobCreated(BaseModel):
@@ -263,6 +266,7 @@ class WorkerView(BaseModel):
     worker: Worker
     alive: bool
     iteration_time_ms: float
+    failed: list[Worker] = Field(description="The version's failed workers (its schedule's `failed`).")
     stage_alive: list[Worker] = Field(description="Alive workers of this stage (its OPT all-reduce group).")
     routes: list[dict[str, Any]] = Field(
         description="Per hosted micro-batch: prev_host (stage s-1) and next_host (stage s+1)."

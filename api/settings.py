@@ -60,7 +60,9 @@ class Settings(BaseSettings):
     precompute_time_limit_s: float = Field(default=5.0, gt=0, description="CP-SAT limit per precomputed key.")
     max_failures_cap: int = Field(default=3, ge=0, le=4, description="Largest max_failures a job may ask.")
     max_wait_s: float = Field(default=60.0, gt=0, description="Cap on the long-poll `wait` parameter.")
-    heartbeat_timeout_s: float = Field(default=30.0, gt=0, description="Silence after which a worker fails.")
+    heartbeat_timeout_s: float = Field(
+        default=30.0, ge=0.1, description="Silence after which a worker fails (at least 0.1 s)."
+    )
     heartbeat_check_s: float = Field(default=1.0, gt=0, description="How often heartbeats are checked.")
     restore_grace_s: float = Field(
         default=60.0,

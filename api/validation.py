@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 FINITE_MSG = "must be a finite number (NaN, Infinity and numbers beyond the float range are not JSON)"
+NOT_JSON_MSG = "the body must be a JSON object sent with Content-Type: application/json"
 
 
 class _NonFinite:
@@ -129,10 +130,14 @@ def _has_non_finite(value: Any) -> bool:
 
 def safe_errors(errors: Any) -> list[dict[str, Any]]:
     """Pydantic/FastAPI errors made JSON-safe: an `input` or `ctx` holding a non-finite float is
-    dropped (and the message says a finite number is needed when the input itself was one)."""
+    dropped (and the message says a finite number is needed when the input itself was one). A body
+    that was not read as JSON (another Content-Type: a form, text) is named, not echoed back whole."""
     out = []
     for error in errors:
         error = dict(error)
+        if tuple(error.get("loc", ())) == ("body",) and isinstance(error.get("input"), (str, bytes)):
+            error["msg"] = NOT_JSON_MSG
+            del error["input"]
         if _has_non_finite(error.get("input")):
             if isinstance(error["input"], float):
                 error["msg"] = FINITE_MSG

@@ -103,6 +103,11 @@ def test_404_and_422(client: TestClient) -> None:
     assert event(client, job_id, "e", "boom", [[0, 0]]).status_code == 422
     assert client.get(f"/v1/jobs/{job_id}/schedule?worker=9,9", headers=CTL).status_code == 422
     assert client.get(f"/v1/jobs/{job_id}/schedule?worker=zz", headers=CTL).status_code == 422
+    # a heartbeat timeout of 1e-9 s made every poll a busy loop and failed a worker at once
+    r = client.post("/v1/jobs", json={"job": TINY, "heartbeat_timeout_s": 1e-9}, headers=CTL)
+    assert r.status_code == 422 and "heartbeat_timeout_s" in r.text
+    r = client.patch(f"/v1/jobs/{job_id}", json={"heartbeat_timeout_s": 0.05}, headers=CTL)
+    assert r.status_code == 422 and "heartbeat_timeout_s" in r.text
 
 
 def test_dimension_bound_d_times_p_times_m(client: TestClient) -> None:
@@ -244,6 +249,7 @@ def total(samples: list[Sample], name: str, **labels: str) -> float:
 
 def test_health_ready_metrics_openapi(client: TestClient) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.head("/healthz").status_code == 200 and client.head("/readyz").status_code == 200  # probes
     assert client.get("/readyz").status_code == 200
     text = client.get("/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}

@@ -136,6 +136,16 @@ def test_finite_bodies_still_pass(client: TestClient, job_id: str) -> None:
     assert r.status_code == 422 and strict_json(r.text)["detail"][0]["type"] == "json_invalid"
 
 
+def test_a_body_of_another_content_type_is_named_not_echoed(client: TestClient, job_id: str) -> None:
+    """curl -d sends a form: the 422 named a dictionary and echoed the whole body back."""
+    body = json.dumps({"event_id": "form-1", "kind": "fail", "workers": [[0, 0]], "reason": "x" * 5000})
+    for kind in ("application/x-www-form-urlencoded", "text/plain"):
+        headers = {**CTL, "Content-Type": kind}
+        r = client.post(f"/v1/jobs/{job_id}/events", content=body, headers=headers)
+        assert r.status_code == 422 and len(r.text) < 500, r.text
+        assert "Content-Type: application/json" in r.json()["detail"][0]["msg"], r.text
+
+
 def test_non_finite_paths() -> None:
     assert non_finite_paths(b'{"a": [1, {"b": NaN}], "c": 1e999, "d": "NaN"}') == [["a", 1, "b"], ["c"]]
     assert non_finite_paths(b"Infinity") == [[]]
