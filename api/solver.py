@@ -18,8 +18,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import threading
-import time
 from concurrent.futures import Executor, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -32,6 +30,7 @@ from api.errors import SolverBusyError
 from planner.contract import FailureScenario, JobSpec, Schedule
 from planner.errors import InvalidInputError, PlannerError, ScheduleRuleError, UnrecoverableScenarioError
 from planner.normalize import Normalized, normalize, to_physical
+from planner.processes import exit_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -194,17 +193,6 @@ def _noop() -> int:
     return 0
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Pool initializer: end this process when the service dies, even by kill -9 (no orphans)."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 class QuietPool(ProcessPoolExecutor):
     """A process pool whose processes ignore Ctrl+C: SIGINT is blocked while they are spawned.
 
@@ -229,7 +217,7 @@ class Solver:
 
     def __init__(self, events_processes: int, background_processes: int) -> None:
         ctx = multiprocessing.get_context("spawn")
-        kw: dict[str, Any] = {"mp_context": ctx, "initializer": _exit_with_parent, "initargs": (os.getpid(),)}
+        kw: dict[str, Any] = {"mp_context": ctx, "initializer": exit_with_parent, "initargs": (os.getpid(),)}
         self._pool_kw = kw
         self.events: Executor = QuietPool(events_processes, **kw)
         self.whatif: Executor = QuietPool(1, **kw)

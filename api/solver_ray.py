@@ -38,8 +38,9 @@ from typing import Any
 
 from api.errors import SolverBusyError
 from api.solve_partition import REPARTITION_PLANS
-from api.solver import SolveOutput, _exit_with_parent, solve
+from api.solver import SolveOutput, solve
 from planner.errors import InvalidInputError
+from planner.processes import exit_with_parent
 from planner.settings import planner_settings
 from whatif.precompute_ray import CONNECT_TIMEOUT_S, RETRIES, connect, lost_errors, probe
 
@@ -193,7 +194,7 @@ class _Driver:
 
 def _driver_main(address: str, conn: Connection, parent_pid: int) -> None:
     """The driver process: connect, report ("ready", CPUs) or ("error", line), then serve requests."""
-    _exit_with_parent(parent_pid)
+    exit_with_parent(parent_pid)
     logging.basicConfig(level=logging.WARNING)
     try:
         connect(address, FLAG)

@@ -3,7 +3,8 @@
 The `recycle` dispatcher itself is recycle_cli/ (it imports this module, never the other way round).
 
 Exit codes: 0 success; 2 bad input (unreadable file, malformed JSON, invalid field, bad flag);
-3 unrecoverable failure set (a stage with no alive worker); 4 a schedule that breaks a rule.
+3 unrecoverable failure set (a stage with no alive worker); 4 a schedule that breaks a rule; 130
+interrupted (Ctrl+C: one line, no traceback).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from planner.errors import InvalidInputError, ScheduleRuleError, UnrecoverableSc
 from planner.outputs.gantt_stages import STAGE_VIEW_ABOVE
 
 EXIT_INPUT, EXIT_UNRECOVERABLE, EXIT_INVALID = 2, 3, 4
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl+C
 MAX_VALIDATE_ITERATIONS = 1000  # `recycle validate`'s K: the replay costs K x the ops
 
 
@@ -102,7 +104,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from planner.cli_io import read_document
+    from pydantic import ValidationError
+
+    from planner.cli_io import describe_validation_error, read_document
     from planner.cli_summary import render_summary
     from planner.figures import schedule_figures
     from planner.simulator import validate
@@ -112,7 +116,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.scenario:
         scenario = read_document(args.scenario, FailureScenario, "failure scenario")
     else:
-        scenario = schedule.scenario()
+        try:
+            scenario = schedule.scenario()
+        except ValidationError as exc:  # e.g. a slow worker also listed as failed
+            why = "; ".join(line.strip() for line in describe_validation_error(exc).splitlines())
+            raise InvalidInputError(f"schedule {args.schedule}: its failure scenario: {why}") from None
     iterations = args.iterations if args.iterations is not None else schedule.replay_iterations or 4
     if iterations < 4:
         raise InvalidInputError("--iterations must be at least 4 (docs/contract.md section 4)")
@@ -247,3 +255,6 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `recycle plan ... --json | head`: the reader left; no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:  # Ctrl+C (commands with something to keep say more themselves)
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

@@ -7,6 +7,10 @@ Each is now one line on stderr and exit 2 (before any work starts where it can b
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -144,3 +148,36 @@ def test_validate_caps_the_replayed_iterations(tmp_path: Path, capsys: pytest.Ca
     doc["replay_iterations"] = 10**8
     sched.write_text(json.dumps(doc))
     refused(["validate", JOB, str(sched)], "the schedule's replay_iterations 100000000", capsys)
+
+
+def test_validate_a_schedule_whose_scenario_is_inconsistent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A schedule naming a worker both failed and slow was a pydantic traceback and exit 1."""
+    base = tmp_path / "base.json"
+    assert main(["plan", JOB, "--fail", "0,2", "--no-cpsat", "--time-limit", "1", "-o", str(base)]) == 0
+    capsys.readouterr()
+    doc = json.loads(base.read_text())
+    doc["slow"] = [{"worker": [0, 2], "factor": 2.0}]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    refused(["validate", JOB, str(bad)], "is also listed as failed", capsys)
+
+
+def test_precompute_refuses_more_failures_than_workers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    refused(["precompute", JOB, "--max-failures", "17", "-o", str(tmp_path / "p")], "has 16 workers", capsys)
+    assert not (tmp_path / "p").exists()
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path: Path) -> None:
+    """Ctrl+C in `recycle plan` printed a KeyboardInterrupt traceback."""
+    job = str(ROOT / "examples" / "gpt3-13b-p8d8-mem1x.json")
+    cmd = [sys.executable, "-m", "recycle_cli", "plan", job, "--fail", "1,4", "--time-limit", "30"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(4)  # planning
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", err
+    assert "Traceback" not in err, err

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from datetime import timedelta
+from types import FrameType
 from typing import Any
 
 from planner.cli_io import finite_float
@@ -49,6 +51,10 @@ def add_precompute_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_precompute)
 
 
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_precompute(args: argparse.Namespace) -> int:
     """Plan what is missing; report normalization savings and what was (not) solved."""
     from planner.cli_io import check_output_dir, read_document
@@ -59,13 +65,19 @@ def cmd_precompute(args: argparse.Namespace) -> int:
     job = read_document(args.job, JobSpec, "job spec")
     if args.max_failures < 0 or args.workers < 1 or args.time_limit <= 0:
         raise InvalidInputError("--max-failures >= 0, --workers >= 1 and --time-limit > 0 required")
+    if args.max_failures > job.num_pipelines * job.num_stages:
+        raise InvalidInputError(
+            f"--max-failures {args.max_failures}: the job has {job.num_pipelines * job.num_stages} workers"
+        )
     ray_address = args.ray if args.ray is not None else planner_settings().ray_address
     if ray_address:  # before anything is written: an unreachable cluster leaves the directory as it was
         from whatif.precompute_ray import connect
 
         connect(ray_address)
+    from whatif.precompute import PlanningProcessDied
     from whatif.precompute_ray import ScenariosFailed
 
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # Slurm, Kubernetes, timeout: like Ctrl+C
     try:
         stats = precompute(
             job,
@@ -77,7 +89,7 @@ def cmd_precompute(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             ray_address=ray_address or None,
         )
-    except ScenariosFailed as exc:
+    except (ScenariosFailed, PlanningProcessDied) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # every finished plan is written; the index only comes with the last one
@@ -86,6 +98,8 @@ def cmd_precompute(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     saved = stats.saved_by_normalization / max(1, stats.physical_scenarios)
     if args.json:
         print(json.dumps(stats.to_dict(), indent=1))

@@ -14,15 +14,18 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any, TextIO
 
 from planner.contract import FailureScenario, JobSpec
+from planner.processes import exit_with_parent
 from whatif.cache import PlanCache
 from whatif.scenarios import Canonical, canonical_scenarios
 from whatif.strategies.recycle import DEFAULT_PLAN_TIME_LIMIT, plan_record
@@ -99,6 +102,25 @@ class PrecomputeStats:
         return {**asdict(self), "saved_by_normalization": self.saved_by_normalization}
 
 
+class PlanningProcessDied(RuntimeError):
+    """A local planning process ended abruptly (killed, out of memory): one line, exit 1; the plans
+    written so far stay (run again to resume)."""
+
+    def __init__(self, planned: int) -> None:
+        super().__init__(
+            f"a planning process died (killed, or out of memory?) after {planned} plans of this run; "
+            "the plans written so far stay: run again to resume"
+        )
+
+
+def _pool_process(parent_pid: int) -> None:
+    """Pool initializer: SIGTERM ends the process again (it inherits the CLI's handler, which turns
+    SIGTERM into KeyboardInterrupt: a broken pool's SIGTERM to the other processes was then caught
+    and the pool joined them forever), and the process ends with its parent."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    exit_with_parent(parent_pid)
+
+
 def _plan_task(job_json: str, scenario_json: str, use_cpsat: bool, time_limit_s: float) -> dict[str, Any]:
     logging.getLogger("planner").setLevel(logging.WARNING)
     job = JobSpec.model_validate_json(job_json)
@@ -165,7 +187,11 @@ def plan_missing(
 
         plan_on_ray(ray_address, job_json, [c.scenario for c in todo.values()], use_cpsat, limit_s, record)
         return already, record.planned, record.unrecoverable
-    with ProcessPoolExecutor(max_workers=max(1, num_workers)) as pool:
+    # The processes end with this one (even killed: exit_with_parent); an interrupted run leaves them
+    # to finish or die instead of waiting for the plans in flight.
+    pool = ProcessPoolExecutor(max(1, num_workers), initializer=_pool_process, initargs=(os.getpid(),))
+    done = False
+    try:
         pending: set[Future[dict[str, Any]]] = {
             pool.submit(_plan_task, job_json, c.scenario.model_dump_json(), use_cpsat, limit_s)
             for c in todo.values()
@@ -174,6 +200,14 @@ def plan_missing(
             finished, pending = wait(pending, return_when=FIRST_COMPLETED)
             for fut in finished:
                 record(fut.result())
+        done = True
+    except BrokenProcessPool:
+        raise PlanningProcessDied(record.planned) from None
+    finally:
+        if not done:  # interrupted or broken: the plans in flight are lost anyway, and the pool's
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):  # processes would
+                proc.terminate()  # run the queued ones first (the exit waits for them)
+        pool.shutdown(wait=done, cancel_futures=True)
     return already, record.planned, record.unrecoverable
 
 
