@@ -21,7 +21,6 @@ import argparse
 import json
 import logging
 import math
-import signal
 import socket
 import sys
 import time
@@ -29,7 +28,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from planner.cli_io import check_output_dir
@@ -230,14 +228,10 @@ def _printer(job_id: str) -> Any:
     return tick
 
 
-def _on_signal(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)
-
-
 def cmd_agent(args: argparse.Namespace) -> int:
     """Check everything, start this host's workers, supervise them until they are done."""
     from runtime_adapter.agent import Agent
-    from runtime_adapter.launch_cli import _check_training, checkpoint_location
+    from runtime_adapter.launch_cli import _check_training, checkpoint_location, stop_on_signals
     from runtime_adapter.launch_spec import LaunchSpec
     from runtime_adapter.publishers import PublisherError
     from runtime_adapter.service_publisher import ServicePublisher
@@ -260,8 +254,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     agent = Agent(spec, service, workers, agent_id, rejoin=not args.no_rejoin, max_rejoins=args.max_rejoins,
                   standby=args.standby)  # fmt: skip
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _on_signal)
+    stop_on_signals()
     print(f"recycle agent {agent_id}: job {args.job_id}, workers {[list(w) for w in workers]}, "
           f"iterations 0..{args.iterations - 1}; outputs in {out}", flush=True)  # fmt: skip
     try:

@@ -96,6 +96,11 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument(
         "--pace-ms", type=finite_float, default=0.0, help="make each iteration last at least this long"
     )
+    p.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="end when the process that started this one dies, even by SIGKILL (launch and agent set it)",
+    )
     p.set_defaults(func=cmd_worker)
 
 
@@ -117,6 +122,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     check_output_dir(args.out, "--out")
     Path(args.out).mkdir(parents=True, exist_ok=True)  # a standalone worker: its accounting goes here
     install_log_prefix(worker)
+    if args.exit_with_parent:  # a worker whose launcher or agent is gone has no supervisor: it ends
+        from planner.processes import exit_with_parent
+
+        exit_with_parent(os.getppid())
     opts = WorkerOptions(
         worker=worker,
         num_pipelines=job.num_pipelines,

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from planner.cli_io import finite_float
@@ -297,6 +299,17 @@ def _finish(publisher: Publisher) -> None:
         logger.warning("could not close the job with its publisher: %s", e)
 
 
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGHUP (kill, Slurm, Kubernetes, a closed terminal) raise SystemExit(128 + signal),
+    so that the launcher or agent stops every worker it started before it exits."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _on_signal)
+
+
 def _plot(spec: LaunchSpec, monitor: JobMonitor, launcher: Launcher) -> None:
     """<out>/loss.png: the loss per iteration with every failure, re-join and restore marked (best
     effort: a plotting error must not change the launch's exit code)."""
@@ -350,6 +363,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     monitor = JobMonitor(spec.out_dir, job.num_pipelines, job.num_stages, job.num_microbatches)
     reporter = _Reporter(monitor, spec, args.print_every)
     code = 0
+    stop_on_signals()  # before any worker starts: none is left behind (they trained on, orphaned)
     try:
         launcher.start()
         host, port = launcher.store_address
@@ -375,6 +389,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
         launcher.terminate()
         _finish(publisher)
         code = fail("interrupted: every worker stopped", 130)
+        codes = {}
+    except SystemExit as e:  # SIGTERM, SIGHUP (stop_on_signals)
+        launcher.terminate()
+        _finish(publisher)
+        code = fail("stopped by a signal: every worker stopped", int(e.code or 1))
         codes = {}
     reporter(launcher)
     for w, rc in sorted(codes.items()):

@@ -88,6 +88,7 @@ class LaunchSpec:
             "--out", str(self.out_dir),
             "--backend", self.backend,
             "--device", self.device,
+            "--exit-with-parent",
         ]  # fmt: skip
         if self.check_data:
             cmd.append("--check-data")

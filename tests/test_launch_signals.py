@@ -1,0 +1,77 @@
+"""`recycle launch` stopped from outside, with real torch workers: SIGTERM stops every worker first
+(exit 143, one line), as Ctrl-C does; SIGKILL leaves no worker behind (each ends when its launcher
+is gone: `--exit-with-parent`). Before, both left every worker training on, orphaned."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.jobs import uniform_job
+from whatif.cache import PlanCache
+from whatif.precompute import precompute
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = uniform_job(2, 2, 2, name="launch-signals")
+pytestmark = pytest.mark.timeout(150)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    base = tmp_path_factory.mktemp("inputs")
+    (base / "job.json").write_text(JOB.model_dump_json())
+    precompute(JOB, 1, PlanCache(base / "plans"), num_workers=1, progress=False)
+    return str(base / "job.json"), str(base / "plans")
+
+
+def start(inputs: tuple[str, str], out: Path) -> tuple[subprocess.Popen[str], list[int]]:
+    """A launch whose 4 workers all stepped at least once; (launcher, worker pids)."""
+    cmd = [sys.executable, "-m", "recycle_cli", "launch", "--job", inputs[0], "--schedules", inputs[1],
+           "--out", str(out), "--iterations", "1000", "--pace-ms", "50", "--timeout", "120"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    workers = [(d, s) for d in range(2) for s in range(2)]
+    while time.monotonic() < deadline:
+        accts = [out / f"acct_{d}_{s}.jsonl" for d, s in workers]
+        if all(a.exists() and '"step"' in a.read_text() for a in accts):
+            return proc, [int((out / f"worker_{d}_{s}.pid").read_text()) for d, s in workers]
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("the workers did not step within 90 s")
+
+
+def all_gone(pids: list[int], within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.2)
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_launcher_stopped_from_outside_leaves_no_worker(
+    inputs: tuple[str, str], tmp_path: Path, sig: signal.Signals
+) -> None:
+    proc, pids = start(inputs, tmp_path / "run")
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert all_gone(pids, 15.0), pids
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 128 + signal.SIGTERM, err
+        assert "stopped by a signal: every worker stopped" in err and "Traceback" not in err, err
