@@ -262,7 +262,7 @@ class _IterationRun:
         self.counts = torch.zeros(ex.num_pipelines * ex.num_microbatches, device=ex.groups.device)
         self.scale = 1.0 / (ex.num_pipelines * ex.num_microbatches)
         self.recvs: dict[tuple[str, MicroBatch], tuple[Any, torch.Tensor]] = {}
-        self.loss: torch.Tensor | None = None  # last stage: detached sum of the unscaled losses
+        self.loss: torch.Tensor | None = None  # last stage: detached float64 sum of the unscaled losses
         self._post_receives()
 
     def _post_receives(self) -> None:
@@ -331,7 +331,9 @@ class _IterationRun:
         assert inp is not None
         out = runner.forward(self.module, self.iteration, mb, inp, targets)
         if runner.is_last:
-            loss = out.detach()
+            loss = (
+                out.detach().double()
+            )  # float64: a failure regroups the sum (float32 differed in the 6th digit)
             self.loss = loss if self.loss is None else self.loss + loss
             self.rec.loss_n += 1
             out = out * self.scale

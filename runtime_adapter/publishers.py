@@ -181,13 +181,15 @@ class FilePublisher:
         self.joined: dict[str, int] = {}  # the last published `joined_at`
 
     def _publish(self, restore: bool = False) -> int:
+        # The schedule first: a failure set without a plan raises before any version is counted (the
+        # launcher printed "schedule now v3" and "last schedule v3" for a v3 never published).
+        schedule = self.schedule_for(frozenset(self.failed))
         self.version += 1
         alive = [(d, s) for d in range(self.job.num_pipelines) for s in range(self.job.num_stages)
                  if (d, s) not in self.failed]  # fmt: skip
         before = {} if restore else self.joined  # a restore version: everyone joins anew
         self.joined = {k: before.get(k, self.version) for k in (f"{d},{s}" for d, s in alive)}
         policy = "auto" if self.checkpoints is not None else None
-        schedule = self.schedule_for(frozenset(self.failed))
         publish(self.path, self.version, schedule, restore=self.restore, restore_policy=policy,
                 joined_at=self.joined)  # fmt: skip
         logger.info("published schedule v%d for failed %s", self.version, sorted(self.failed))

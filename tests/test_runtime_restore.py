@@ -252,3 +252,23 @@ def test_a_schedule_file_publishes_joined_at_and_the_worker_fences_by_it(tmp_pat
     plain.start()  # without checkpoints it never restores by itself: no restore_policy
     doc = json.loads((tmp_path / "plain.json").read_text())
     assert "restore_policy" not in doc and doc["joined_at"] == joined()
+
+
+def test_a_failure_set_without_a_plan_publishes_no_version(tmp_path: Path) -> None:
+    """Before, the version was counted before the plan was looked up: the launcher printed
+    "schedule now v3" and "last schedule v3" although schedule.json stayed at v2."""
+    job = tiny_job(2, 2)
+    planned = planner_schedules(job)
+
+    def schedule_for(failed: frozenset[Worker]) -> Any:
+        if len(failed) > 1:
+            raise LookupError("no precomputed plan for this failure set")
+        return planned(failed)  # type: ignore[operator]
+
+    path = tmp_path / "schedule.json"
+    pub = FilePublisher(path, job, schedule_for)
+    pub.start()
+    assert pub.report("fail", [(1, 1)]).version == 2
+    with pytest.raises(LookupError):
+        pub.report("fail", [(0, 0)])
+    assert pub.version == 2 and json.loads(path.read_text())["version"] == 2
