@@ -136,6 +136,10 @@ def test_trace_events_after_the_run_are_named_not_counted(
     out = capsys.readouterr()
     assert "1 event(s) at or after --duration 168.0 h are not played" in out.err
     assert "0 failures over 168.0 h" in out.out
+    figures = tmp_path / "figures.json"
+    argv = ["simulate", JOB, "--trace", str(trace), "--strategies", "checkpoint-restart"]
+    assert main([*argv, "--json", str(figures)]) == 0
+    assert json.loads(figures.read_text())["num_failures"] == 0  # the JSON counted it
 
 
 def test_validate_caps_the_replayed_iterations(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -441,7 +441,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "job_mtbf_s": job_mtbf,
         "checkpoint_interval_s": interval,
         "costs": costs.__dict__,
-        "num_failures": sum(e.kind == "fail" for e in events),
+        "num_failures": sum(e.kind == "fail" and e.time_s < args.duration for e in events),  # played ones
         "strategies": {n: r.to_dict() for n, r in runs.items()},
         "recycle_estimates": {
             "method": ESTIMATE_METHOD,
