@@ -68,6 +68,7 @@ async def _precompute(service: JobService, rt: JobRuntime) -> None:
                 return  # another replica planned it meanwhile
             if not await _solve(service, rt, key, sc, limit):
                 given_up.add(key)
+                rt.precompute_failed = len(given_up)
         finally:
             coord.release_claim(key)
             slots.release()

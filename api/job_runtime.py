@@ -71,6 +71,7 @@ class JobRuntime:
     # The restore grace's stand-in arrival in `last_seen` (api/job_events.py): while every tracked worker
     # still holds it, no worker came back after the restore and none is declared failed.
     restore_until: float | None = None
+    precompute_failed: int = 0  # keys given up by this run's precompute (api/background.py)
     closing: bool = False  # the service is shutting down: parked long-polls end (api/jobs.py begin_stop)
     done: set[Worker] = field(default_factory=set)  # alive workers that reported `done`
 

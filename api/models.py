@@ -77,7 +77,13 @@ class JobCreated(BaseModel):
 
 class Precompute(BaseModel):
     total: int
-    done: int
+    done: int = Field(description="Keys planned, or given up after a failed solve (those count in `failed`).")
+    failed: int = Field(
+        default=0,
+        description="Keys whose solve failed in this run of the service (a killed solver process, Ray "
+        "retries spent): they are not stored, an event on them gets a greedy plan, the next start retries "
+        "them.",
+    )
 
 
 class JobStatus(BaseModel):

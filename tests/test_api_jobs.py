@@ -170,3 +170,31 @@ def test_a_replay_starts_the_precompute_a_failed_first_attempt_never_started(
     while client.get(job, headers=CTL).json()["precompute"]["total"] == 0:
         assert time.monotonic() < deadline, "the replay did not start the precompute"
         time.sleep(0.05)
+
+
+def test_precompute_names_the_keys_whose_solve_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key whose solve failed counted as done and nothing said so: `failed` names how many."""
+    import api.background as background
+
+    real = background._solve
+    failing: list[str] = []
+
+    async def fail_first(service: Any, rt: Any, key: str, sc: Any, limit: float) -> bool:
+        if not failing:
+            failing.append(key)
+        return False if key in failing else await real(service, rt, key, sc, limit)
+
+    monkeypatch.setattr(background, "_solve", fail_first)
+    with make_client(tmp_path / "d") as c:
+        job_id = register(c, max_failures=1).json()["id"]
+        deadline = time.monotonic() + 60
+        while True:
+            pre = c.get(f"/v1/jobs/{job_id}", headers=CTL).json()["precompute"]
+            if (pre["total"] and pre["done"] == pre["total"]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert pre["done"] == pre["total"] > 1 and pre["failed"] == 1, pre
+        store = c.app.state.service.store  # type: ignore[attr-defined]
+        assert failing[0] not in store.plan_keys(failing)

@@ -57,7 +57,9 @@ def job_status(service: JobService, rt: JobRuntime) -> JobStatus:
         max_failures=rec.max_failures,
         heartbeat_enabled=rec.heartbeat_enabled,
         heartbeat_timeout_s=rec.heartbeat_timeout_s or service.settings.heartbeat_timeout_s,
-        precompute=Precompute(total=rec.precompute_total, done=rec.precompute_done),
+        precompute=Precompute(
+            total=rec.precompute_total, done=rec.precompute_done, failed=rt.precompute_failed
+        ),
         created_at=rec.created_at,
         done=sorted(rt.done),
         poll_wait_max_s=service.poll_wait_cap(rt),
