@@ -18,6 +18,7 @@ import logging
 import multiprocessing
 import os
 import signal
+from collections.abc import Callable
 from concurrent.futures import Executor, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -212,6 +213,9 @@ class QuietPool(ProcessPoolExecutor):
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+WHATIF_IN_FLIGHT = 2  # what-if solves running or queued at once (the pool has one process)
+
+
 class Solver:
     """The process pools and the background priority queue."""
 
@@ -229,6 +233,7 @@ class Solver:
         self._seq = itertools.count()
         self._consumers: list[asyncio.Task[None]] = []
         self.ray: Any = None  # api.solver_ray.RayBackground when RECYCLE_RAY_ADDRESS is set
+        self._whatif_in_flight = 0  # what-if solves submitted and not ended (run_whatif)
 
     def start(self) -> None:
         """Start the background consumers and warm the pools (spawn start-up is paid now, not later).
@@ -256,15 +261,47 @@ class Solver:
             return max(self._num_background, self.ray.cpus)
         return self._num_background
 
-    async def run(self, pool: Executor, *args: Any) -> SolveOutput:
-        """solve(*args) in `pool`, awaited without blocking the event loop.
+    async def run_whatif(self, *args: Any) -> SolveOutput:
+        """solve(*args) in the what-if pool, or SolverBusyError (503, retry) at once when
+        WHATIF_IN_FLIGHT solves are running or queued there. A request that times out leaves its solve
+        running (a process cannot be interrupted; a queued one is cancelled): without the cap, clients
+        retrying after their 503 queued more work behind it and every later what-if timed out too."""
+        if self._whatif_in_flight >= WHATIF_IN_FLIGHT:
+            raise SolverBusyError(
+                f"the what-if solver is busy ({self._whatif_in_flight} solves in flight): retry in a few s"
+            )
+        self._whatif_in_flight += 1
+        loop = asyncio.get_running_loop()
+
+        def finished(_: Any) -> None:
+            loop.call_soon_threadsafe(self._whatif_finished)
+
+        return await self.run(self.whatif, *args, on_done=finished)
+
+    def _whatif_finished(self) -> None:
+        self._whatif_in_flight -= 1
+
+    async def run(
+        self, pool: Executor, *args: Any, on_done: Callable[[Any], None] | None = None
+    ) -> SolveOutput:
+        """solve(*args) in `pool`, awaited without blocking the event loop; `on_done` is called (in a
+        pool thread) when the solve itself ends, even after this await was cancelled, or when it could
+        not be submitted.
 
         A pool whose process died (killed, out of memory) is broken for good: it is replaced by a
         fresh one and SolverBusyError (503, retry) is raised instead of a bare 500 for this and
         every later request.
         """
         try:
-            out: SolveOutput = await asyncio.get_running_loop().run_in_executor(pool, solve, *args)
+            try:
+                cf = pool.submit(solve, *args)
+            except BaseException:
+                if on_done is not None:
+                    on_done(None)
+                raise
+            if on_done is not None:
+                cf.add_done_callback(on_done)
+            out: SolveOutput = await asyncio.wrap_future(cf)
         except BrokenProcessPool as exc:
             name = self._replace(pool)
             raise SolverBusyError(f"a solver process ({name} pool) died; it was restarted: retry") from exc

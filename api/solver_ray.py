@@ -197,7 +197,7 @@ def _driver_main(address: str, conn: Connection, parent_pid: int) -> None:
     exit_with_parent(parent_pid)
     logging.basicConfig(level=logging.WARNING)
     try:
-        connect(address, FLAG)
+        connect(address, FLAG, trial=False)  # this process is the trial (started with a deadline)
         endpoint = probe(address, FLAG)
     except InvalidInputError as exc:
         conn.send(("error", str(exc)))

@@ -174,3 +174,23 @@ def test_ctrl_c_leaves_a_directory_a_second_run_completes(cluster: LocalRayClust
     assert again.returncode == 0, stderr
     assert f"{written} already cached, {69 - written} planned now" in stdout, stdout
     assert list(out.glob("index-*"))
+
+
+@pytest.mark.timeout(60)
+def test_a_port_that_is_no_ray_head_is_refused_within_the_deadline() -> None:
+    """A port that accepts TCP but is no Ray head's (the dashboard's, an HTTP server): `ray.init` in
+    the process retried for minutes, flooding stderr and ignoring SIGTERM; now a trial connection in
+    a child process is killed at its deadline and the answer is one line."""
+    import socket
+
+    from planner.errors import InvalidInputError
+    from whatif.precompute_ray import trial_connect
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        t0 = time.monotonic()
+        with pytest.raises(InvalidInputError, match=r"no Ray head answered within 3 s"):
+            trial_connect(address, timeout_s=3.0)
+        assert time.monotonic() - t0 < 10

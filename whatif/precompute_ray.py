@@ -23,6 +23,8 @@ from __future__ import annotations
 import logging
 import math
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -93,12 +95,42 @@ def probe(address: str, flag: str = FLAG) -> tuple[str, int] | None:
     return endpoint
 
 
-def connect(address: str, flag: str = FLAG) -> None:
-    """Connect this process to the Ray cluster at `address` (nothing to do when already connected)."""
+TRIAL_TIMEOUT_S = 30.0  # a trial connection that has not succeeded by then: no Ray head there
+_TRIAL = (
+    "import logging, sys, ray\n"
+    "ray.init(address=sys.argv[1], logging_level=logging.ERROR, log_to_driver=False)\n"
+    "ray.shutdown()\n"
+)
+
+
+def trial_connect(address: str, flag: str = FLAG, timeout_s: float = TRIAL_TIMEOUT_S) -> None:
+    """Connect to `address` once in a child process, which is killed after `timeout_s`: a port that
+    accepts TCP but is no Ray head's (the dashboard's 8265, an HTTP server) made `ray.init` retry for
+    minutes in this process, flooding stderr and ignoring SIGTERM. InvalidInputError if it fails."""
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", _TRIAL, address], capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        raise InvalidInputError(
+            f"{flag} {address}: no Ray head answered within {timeout_s:g} s (the head's GCS port, "
+            "6379 by default, is the one to give)"
+        ) from None
+    if run.returncode != 0:
+        lines = [ln for ln in run.stderr.strip().splitlines() if ln.strip()]
+        raise InvalidInputError(f"{flag} {address}: cannot connect: {lines[-1] if lines else run.returncode}")
+
+
+def connect(address: str, flag: str = FLAG, trial: bool = True) -> None:
+    """Connect this process to the Ray cluster at `address` (nothing to do when already connected),
+    after a trial connection in a child process (`trial_connect`; `trial` False: the caller is such a
+    child already, the service's Ray driver)."""
     ray = _ray(flag)
     if ray.is_initialized():
         return
     probe(address, flag)
+    if trial:
+        trial_connect(address, flag)
     try:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, namespace="recycle")
     except Exception as exc:

@@ -35,8 +35,7 @@ async def what_if(body: PlanRequest, service: ServiceDep, _: ControllerDep) -> P
     t0 = time.perf_counter()
     try:
         out = await asyncio.wait_for(
-            service.solver.run(
-                service.solver.whatif,
+            service.solver.run_whatif(
                 body.job.model_dump_json(),
                 body.scenario.model_dump_json(),
                 limit,
