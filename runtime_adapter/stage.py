@@ -94,15 +94,34 @@ def check_training(
     training: Training, num_stages: int, num_pipelines: int, num_microbatches: int
 ) -> list[Shape]:
     """What can be checked before any process starts, each with its own one-line error: the data
-    function (two reads of a few micro-batches of iteration 0 agree), every stage builds on the meta
-    device and returns an nn.Module without running statistics, and the boundary shapes (returned)."""
-    for d, m in sorted({(0, 0), (0, num_microbatches - 1), (num_pipelines - 1, 0)}):
+    function (two reads of a few micro-batches agree, and they have the same shapes and dtypes: the
+    stages exchange fixed-shape activations), every stage builds on the meta device and returns an
+    nn.Module without running statistics, and the boundary shapes (returned)."""
+    samples = {
+        (0, 0, 0),
+        (0, 0, num_microbatches - 1),
+        (0, 0, 1 % num_microbatches),
+        (0, num_pipelines - 1, 0),
+        (1, 0, 0),  # the next iteration
+    }
+    first: tuple[tuple[int, int, int], list[tuple[torch.Size, torch.dtype]]] | None = None
+    for it, d, m in sorted(samples):
         try:
-            read_checked(training, 0, d, m)
+            got = read_checked(training, it, d, m)
         except InvalidInputError:
             raise
         except Exception as e:
-            raise InvalidInputError(f"data(0, {d}, {m}) failed: {type(e).__name__}: {e}") from e
+            raise InvalidInputError(f"data({it}, {d}, {m}) failed: {type(e).__name__}: {e}") from e
+        layout = [(t.shape, t.dtype) for t in got]
+        if first is None:
+            first = ((it, d, m), layout)
+        elif layout != first[1]:
+            (i0, d0, m0), ref = first
+            raise InvalidInputError(
+                f"data({it}, {d}, {m}) returns (shape, dtype) {_layout(layout)}, data({i0}, {d0}, {m0}) "
+                f"{_layout(ref)}: every micro-batch must have the same shapes (the stages exchange "
+                "fixed-shape activations; pad or drop to a fixed length)"
+            )
     for s in range(num_stages):
         try:
             with torch.device("meta"):
@@ -127,6 +146,10 @@ def check_training(
                 "or a LayerNorm)"
             )
     return infer_shapes(training, num_stages)
+
+
+def _layout(layout: list[tuple[torch.Size, torch.dtype]]) -> str:
+    return ", ".join(f"({list(shape)}, {str(dtype).removeprefix('torch.')})" for shape, dtype in layout)
 
 
 def running_stats(module: nn.Module) -> str | None:

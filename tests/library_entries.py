@@ -1,5 +1,6 @@
 """Entry points for tests/test_runtime_library.py: a wrong return type, a data function that is not a
-pure function of (iteration, pipeline, microbatch), a failing entry, a stage with batch norm."""
+pure function of (iteration, pipeline, microbatch), micro-batches of varying shapes, a failing entry,
+a stage with batch norm."""
 
 from __future__ import annotations
 
@@ -23,6 +24,18 @@ def nondeterministic(**kwargs: Any) -> Training:
 
     def data(iteration: int, pipeline: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = torch.randint(0, 64, (2, 16))
+        return tokens, tokens
+
+    return dataclasses.replace(base, data=data)
+
+
+def varying_shapes(**kwargs: Any) -> Training:
+    """The reference GPT whose micro-batches have 2 or 3 rows (a pure function, but not one shape)."""
+    base = gpt(**kwargs)
+
+    def data(iteration: int, pipeline: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = 2 + (iteration + microbatch) % 2
+        tokens = torch.arange(rows * 16).reshape(rows, 16) % 64
         return tokens, tokens
 
     return dataclasses.replace(base, data=data)
