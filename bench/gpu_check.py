@@ -19,7 +19,9 @@ falls back. On a GPU the workers run with deterministic algorithms (devices.acti
 run's parameters should equal the failure-free run's; CPU runs are bitwise equal.
 
 Progress on stderr; a table (or with --json one JSON object) on stdout. Exit 0 when every step ran
-and the parameter difference is within --tolerance, else 1 with a one-line reason. Every process
+and the parameter difference is within --tolerance, else 1 with a one-line reason; 2 (one line, nothing
+run) for bad input: a flag out of range, an unusable --keep, --device cuda or --backend nccl without a
+GPU. Every process
 started here (each launch in a session of its own, with its workers) is killed on any exit.
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -39,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
 
+from planner.errors import InvalidInputError
 from runtime_adapter.assignment import Worker
 
 PREFIX = "gpu_check"
@@ -303,6 +307,26 @@ class Interrupted(StepFailed):
         self.code = 128 + signum
 
 
+class BadInput(StepFailed):
+    """A flag out of range, an unusable --keep, a device or backend this machine lacks: exit 2."""
+
+    code = 2
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    if min(args.stages, args.microbatches, args.repeats) < 1 or args.pipelines < 2 or args.iterations < 3:
+        raise BadInput(
+            "--pipelines >= 2 (a killed worker needs a peer), --stages, --microbatches, --repeats >= 1 "
+            "and --iterations >= 3"
+        )
+    if not (math.isfinite(args.tolerance) and args.tolerance >= 0):
+        raise BadInput(f"--tolerance {args.tolerance}: a relative difference >= 0")
+    if args.keep and Path(args.keep).exists() and not Path(args.keep).is_dir():
+        raise BadInput(f"--keep {args.keep}: exists and is not a directory")
+    if args.keep and Path(args.keep).is_dir() and any(Path(args.keep).iterdir()):
+        raise BadInput(f"--keep {args.keep}: not empty")
+
+
 def _on_signal(signum: int, _frame: object) -> None:
     raise Interrupted(signum)
 
@@ -319,19 +343,16 @@ def main(argv: list[str] | None = None) -> int:
     caught = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
     previous = {sig: signal.signal(sig, _on_signal) for sig in caught}
     try:
-        if min(args.stages, args.microbatches, args.repeats) < 1 or args.pipelines < 2 or args.iterations < 3:
-            raise StepFailed(
-                "--pipelines >= 2 (a killed worker needs a peer), --stages, --microbatches, --repeats >= 1 "
-                "and --iterations >= 3"
-            )
+        _check_flags(args)
         workers = args.pipelines * args.stages
-        res.device, res.backend, res.backend_note = pick_backend(args.device, args.backend, workers)
+        try:
+            res.device, res.backend, res.backend_note = pick_backend(args.device, args.backend, workers)
+        except InvalidInputError as e:  # --device cuda or --backend nccl without a GPU
+            raise BadInput(str(e)) from None
         if res.backend_note:
             say(f"backend {res.backend}: {res.backend_note}")
         if args.keep:
             work = Path(args.keep)
-            if work.exists() and any(work.iterdir()):
-                raise StepFailed(f"--keep {work}: not empty")
             work.mkdir(parents=True, exist_ok=True)
             res.outputs = str(work)
         else:
@@ -354,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     res.wall_s = round(time.monotonic() - t0, 1)
+    if code == BadInput.code:  # nothing ran: the reason alone, as every recycle command does
+        print(f"error: {res.reason}", file=sys.stderr, flush=True)
+        return code
     print(json.dumps(asdict(res)) if args.json else table(res), flush=True)
     if not res.ok:
         say(f"FAILED: {res.reason}")

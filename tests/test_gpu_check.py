@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -57,3 +58,23 @@ def test_cpu_end_to_end() -> None:
     assert res["predicted_failed_iteration_ms"] >= res["predicted_iteration_ms"] * 0.5
     assert res["victim"] == [1, 1] and res["outputs"] is None
     assert "profiling" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--tolerance", "-1"], "--tolerance -1.0: a relative difference >= 0"),  # ran 23 s, then failed
+        (["--pipelines", "1"], "--pipelines >= 2"),
+        (["--keep", "AFILE"], "exists and is not a directory"),  # was a NotADirectoryError, exit 1
+        (["--backend", "nccl", "--device", "cpu"], "--backend nccl needs a CUDA device"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(flags: list[str], says: str, tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    flags = [str(afile) if f == "AFILE" else f for f in flags]
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", *flags], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and says in errors[0], proc.stderr
+    assert proc.stdout == "" and "Traceback" not in proc.stderr, proc.stderr
