@@ -185,3 +185,16 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", err
     assert "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_simulate_never_counts_more_stalled_time_than_the_run_has(tmp_path: Path, seed: int) -> None:
+    """Failures every hour against restarts of about that length: restarts begun during another one
+    were queued after it, and checkpoint-restart counted 45 h of recovery in a 24 h run."""
+    out = tmp_path / "sim.json"
+    argv = ["simulate", JOB, "--mtbf", "1h", "--repair", "10m", "--duration", "1d", "--seed", str(seed)]
+    assert main([*argv, "--strategies", "recycle,checkpoint-restart,bamboo", "--json", str(out)]) == 0
+    for name, fig in json.loads(out.read_text())["strategies"].items():
+        stalled = fig["recovery_s"] + fig["checkpoint_s"] + fig["stalled_s"]
+        assert stalled <= fig["duration_s"] * (1 + 1e-9), (name, stalled / 3600)
+        assert min(fig["recovery_s"], fig["checkpoint_s"], fig["stalled_s"]) >= 0, (name, fig)

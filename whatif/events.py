@@ -73,6 +73,7 @@ class _Run:
         self.fig = RunFigures(strategy.name)
         self.failed: set[tuple[int, int]] = set()
         self.t = self.resume_at = 0.0
+        self._stalls: list[tuple[float, float, str]] = []  # (start, end, the figure it counts in)
         self.pending = self.work_since_ckpt = 0.0  # micro-batches / seconds since the last checkpoint
         self.done = 0.0
         self.in_fallback = False
@@ -91,10 +92,18 @@ class _Run:
     def rate(self) -> float:
         return self.mb_per_iteration / (self.iteration_ms / 1000.0) if self.iteration_ms else 0.0
 
-    def _stall(self, seconds: float) -> None:
+    def _stall(self, seconds: float, figure: str, anew: bool = False) -> None:
+        """Nothing trains for `seconds` after what already stalls (a checkpoint write, a switch), counted
+        in `self.fig.<figure>`; `anew`: a restart at a failure, which begins again now even when another
+        one is under way (only the time it adds counts: restarts queued one after another counted more
+        recovery than the run was long)."""
         start = max(self.t, self.resume_at)
-        self.resume_at = start + seconds
-        self.fig.segments.append((start, self.resume_at, 0.0))
+        end = max(self.resume_at, self.t + seconds) if anew else start + seconds
+        if end > start:
+            setattr(self.fig, figure, getattr(self.fig, figure) + end - start)
+            self.fig.segments.append((start, end, 0.0))
+            self._stalls.append((start, end, figure))
+        self.resume_at = end
 
     def advance(self, t_to: float) -> None:
         """Train (and checkpoint) from self.t to t_to at the current rate."""
@@ -119,8 +128,7 @@ class _Run:
     def _checkpoint(self) -> None:
         self.done += self.pending
         self.pending = self.work_since_ckpt = 0.0
-        self.fig.checkpoint_s += self.costs.checkpoint_s
-        self._stall(self.costs.checkpoint_s)
+        self._stall(self.costs.checkpoint_s, "checkpoint_s")
 
     def _roll_back(self, event: Event, forced: bool) -> None:
         self.fig.lost_work_s += self.work_since_ckpt
@@ -131,8 +139,7 @@ class _Run:
             self.fig.fallback_events.append(
                 {"time_s": event.time_s, "failed": [list(w) for w in sorted(self.failed)]}
             )
-        self.fig.recovery_s += self.costs.restart_s
-        self._stall(self.costs.restart_s)
+        self._stall(self.costs.restart_s, "recovery_s", anew=True)
         if self.costs.spares:
             self.failed.clear()
             self.in_fallback = False
@@ -140,13 +147,11 @@ class _Run:
     def _planned_restart(self) -> None:
         self.fig.restarts += 1
         self._checkpoint()
-        self.fig.recovery_s += self.costs.restart_s
-        self._stall(self.costs.restart_s)
+        self._stall(self.costs.restart_s, "recovery_s")
 
     def _switch(self) -> None:
         lost = (self.iteration_ms or 0.0) / 1000.0 + self.s.switch_s
-        self.fig.recovery_s += lost
-        self._stall(lost)
+        self._stall(lost, "recovery_s")
 
     def on_event(self, event: Event) -> None:
         """Apply one trace event at event.time_s (self.t has been advanced to it)."""
@@ -178,6 +183,10 @@ class _Run:
     def finish(self, duration_s: float, job: JobSpec, gpus_per_worker: int, base_rate: float) -> RunFigures:
         self.advance(duration_s)
         fig = self.fig
+        for start, end, figure in self._stalls:  # a stall running past the end counts up to the end only
+            if end > duration_s:
+                setattr(fig, figure, getattr(fig, figure) - (end - max(start, duration_s)))
+        fig.segments = [(a, min(b, duration_s), r) for a, b, r in fig.segments if a < duration_s]
         per_mb = samples_per_microbatch(job)
         fig.samples = (self.done + self.pending) * per_mb
         fig.duration_s = duration_s
