@@ -77,10 +77,10 @@ class JobEvents(VersionPublisher):
             if self._auto(rt):  # needs_restore, then at once the restore version: the event succeeded
                 restored = FailureScenario(slow=scenario.slow)
                 plan = await self._plan(rt, restored)  # before committing: both versions back to back
-                cause = rec.event_id
-                self._commit_version(
-                    rt, scenario, exc.stages, prev_json, "needs_restore", itime, None, prev, cause=cause
-                )
+                # The event is written with the first version, its answer completed with the second: a
+                # crash between them (the restart finishes the restore) leaves the event applied once,
+                # and the client's retry is a replay, not a second failure of the restored workers.
+                self._commit_version(rt, scenario, exc.stages, prev_json, "needs_restore", itime, rec, prev)
                 await self._restore(rt, exc.stages, rec, rec.event_id, plan)
                 return json.loads(rec.result_json), []
             rec.status_code = 409

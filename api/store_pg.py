@@ -43,7 +43,7 @@ from api.records import (
 from api.settings import Settings
 from api.store_migrate import migrate
 from api.store_pg_watch import Watchdog
-from api.store_rows import StoreReads, job_values
+from api.store_rows import EVENT_UPSERT, StoreReads, job_values
 from planner.errors import InvalidInputError
 
 log = logging.getLogger(__name__)
@@ -210,8 +210,8 @@ class PostgresStore(StoreReads):
                         )
                     _insert(conn, "versions", asdict(version))
                     update["version"] = stored = version.version
-                if event is not None:
-                    _insert(conn, "events", asdict(event))
+                if event is not None:  # written again with its final answer (an auto restore's 2nd version)
+                    _insert(conn, "events", asdict(event), EVENT_UPSERT)
                 if update:
                     sets = ", ".join(f"{k} = %s" for k in update)
                     conn.execute(f"UPDATE jobs SET {sets} WHERE id = %s", (*update.values(), job_id))
@@ -254,12 +254,12 @@ def _raced() -> Iterator[None]:
         raise VersionConflictError(f"another replica wrote this first, retry: {_first_line(exc)}") from None
 
 
-def _insert(conn: psycopg.Connection[Any], table: str, vals: dict[str, Any]) -> None:
+def _insert(conn: psycopg.Connection[Any], table: str, vals: dict[str, Any], tail: str = "") -> None:
     for col, val in vals.items():
         if isinstance(val, str) and "\x00" in val:  # SQLite takes it; PostgreSQL text cannot hold it
             raise InvalidInputError(f"{_FIELDS.get((table, col), col)}: contains a NUL character (\\u0000)")
     marks = ", ".join("%s" for _ in vals)
-    conn.execute(f"INSERT INTO {table} ({', '.join(vals)}) VALUES ({marks})", tuple(vals.values()))
+    conn.execute(f"INSERT INTO {table} ({', '.join(vals)}) VALUES ({marks}) {tail}", tuple(vals.values()))
 
 
 def _has_nul(args: tuple[Any, ...]) -> bool:

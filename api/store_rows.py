@@ -10,6 +10,11 @@ from typing import Any
 from api.records import EventRecord, IdempotencyRecord, JobRecord, PlanRecord, VersionRecord
 
 JOB_COLS = list(JobRecord.__dataclass_fields__)
+# An event written again keeps its first row and takes the final answer (SQLite and PostgreSQL syntax).
+EVENT_UPSERT = (
+    "ON CONFLICT (job_id, event_id) DO UPDATE SET status_code = excluded.status_code, "
+    "result_json = excluded.result_json"
+)
 JSON_COLS = ("unrecoverable_stages", "done_workers", "restore", "checkpoints", "joined")
 BOOL_COLS = ("heartbeat_enabled", "repartition")  # INTEGER 0/1 in SQLite, BOOLEAN in PostgreSQL
 

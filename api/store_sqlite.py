@@ -22,7 +22,7 @@ from api.records import (
     VersionConflictError,
     VersionRecord,
 )
-from api.store_rows import StoreReads, job_values
+from api.store_rows import EVENT_UPSERT, StoreReads, job_values
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -156,10 +156,11 @@ class SQLiteStore(StoreReads):
                         tuple(vals.values()),
                     )
                     update["version"] = version.version
-                if event is not None:
+                if event is not None:  # written again with its final answer (an auto restore's 2nd version)
                     vals = asdict(event)
                     db.execute(
-                        f"INSERT INTO events ({', '.join(vals)}) VALUES ({', '.join('?' for _ in vals)})",
+                        f"INSERT INTO events ({', '.join(vals)}) VALUES ({', '.join('?' for _ in vals)}) "
+                        f"{EVENT_UPSERT}",
                         tuple(vals.values()),
                     )
                 if update:

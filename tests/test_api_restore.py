@@ -315,3 +315,34 @@ def test_a_worker_that_died_while_the_service_was_down_is_failed_once_its_peers_
             time.sleep(0.1)
             doc = job(c, job_id)
         assert doc["failed"] == [[1, 0]] and doc["state"] == "running", doc
+
+
+def test_a_crash_between_the_two_versions_of_a_restore_applies_the_event_once(tmp_path: Path) -> None:
+    """The event was written with the restore version only: after a crash between the two versions
+    the restart finished the restore, and the client's retry of the same event failed the restored
+    stage again and restored a second time."""
+    data = tmp_path / "d"
+    with TestClient(create_app(settings(data)), raise_server_exceptions=True) as c:
+        job_id, worker = new_job(c)
+        store = c.app.state.service.store  # type: ignore[attr-defined]
+        real = store.apply
+
+        def crash_after_needs_restore(job: str, update: Any, version: Any = None, event: Any = None) -> None:
+            real(job, update, version=version, event=event)
+            if version is not None and version.source == "needs_restore":
+                raise RuntimeError("the process died here")
+
+        store.apply = crash_after_needs_restore
+        with pytest.raises(RuntimeError, match="died here"):
+            post(c, job_id, worker, "lose", "fail", STAGE_1)
+    with TestClient(create_app(settings(data))) as c:
+        restored = job(c, job_id)  # the restart finished the restore
+        assert restored["restore"]["epoch"] == 1 and restored["failed"] == [], restored
+        r = post(c, job_id, worker, "lose", "fail", STAGE_1)  # the client's retry
+        assert r.status_code == 200 and r.json()["replayed"] is True, r.text
+        after = job(c, job_id)
+        assert (after["version"], after["failed"], after["restore"]) == (
+            restored["version"],
+            [],
+            restored["restore"],
+        ), after
