@@ -163,6 +163,12 @@ def running_stats(module: nn.Module) -> str | None:
 def read_checked(training: Training, iteration: int, d: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Micro-batch [d, m] of `iteration`, read twice: NondeterministicDataError if the reads differ."""
     first, again = training.data(iteration, d, m), training.data(iteration, d, m)
+    pair = isinstance(first, (tuple, list)) and len(first) == 2
+    if not (pair and all(isinstance(t, torch.Tensor) for t in first)):
+        got = type(first).__name__ + (f" of {len(first)}" if isinstance(first, (tuple, list)) else "")
+        raise InvalidInputError(
+            f"data({iteration}, {d}, {m}) must return (inputs, targets), two tensors: it returned a {got}"
+        )
     for what, a, b in zip(("inputs", "targets"), first, again, strict=True):
         if not (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)):
             raise NondeterministicDataError(

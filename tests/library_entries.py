@@ -41,6 +41,16 @@ def varying_shapes(**kwargs: Any) -> Training:
     return dataclasses.replace(base, data=data)
 
 
+def one_tensor(**kwargs: Any) -> Training:
+    """The reference GPT whose data returns the tokens alone, not (inputs, targets)."""
+    base = gpt(**kwargs)
+
+    def data(iteration: int, pipeline: int, microbatch: int) -> torch.Tensor:
+        return torch.zeros(2, 16, dtype=torch.long)
+
+    return dataclasses.replace(base, data=data)  # type: ignore[arg-type]
+
+
 def broken(**kwargs: Any) -> Training:
     """An entry that fails inside the user's code."""
     raise RuntimeError("the user's entry is broken")
