@@ -1,7 +1,9 @@
-"""Tiny job specs shared by the tests: every stage the same profile."""
+"""Tiny job specs shared by the tests (every stage the same profile), and two helpers of the process
+tests: the inputs of a launch, waiting for processes to be gone."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from planner.contract import JobSpec
@@ -76,3 +78,40 @@ def tiny_job(num_pipelines: int, num_stages: int, num_microbatches: int = 4) -> 
         cross_pipeline_ms=0.2,
         name=f"tiny-d{num_pipelines}p{num_stages}",
     )
+
+
+def wait_gone(pids: list[int], within_s: float) -> bool:
+    """True once none of `pids` is a running process (within `within_s` seconds); else False, after
+    killing the ones left (no test leaves a process behind)."""
+    import os
+    import signal
+    import time
+
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return True
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    return False
+
+
+def precomputed_inputs(base: Path, job: JobSpec) -> tuple[str, str]:
+    """`base`/job.json and the plans of up to one failure in `base`/plans: a launch's --job and
+    --schedules."""
+    from whatif.cache import PlanCache
+    from whatif.precompute import precompute
+
+    (base / "job.json").write_text(job.model_dump_json())
+    precompute(job, 1, PlanCache(base / "plans"), num_workers=1, progress=False)
+    return str(base / "job.json"), str(base / "plans")

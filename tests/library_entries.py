@@ -68,15 +68,15 @@ def batch_norm(**kwargs: Any) -> Training:
 
 
 def drifting(**kwargs: Any) -> Training:
-    """The reference GPT whose data function is pure in iteration 0 only (the pre-start check passes;
-    `--check-data` must catch it while training)."""
+    """The reference GPT whose data function is pure in iterations 0 and 1 only (the pre-start check,
+    which reads both, passes; `--check-data` must catch it while training)."""
     base = gpt(**kwargs)
     calls = [0]
 
     def data(iteration: int, pipeline: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, targets = base.data(iteration, pipeline, microbatch)
         calls[0] += 1
-        return (tokens + calls[0]) % 64 if iteration > 0 else tokens, targets
+        return (tokens + calls[0]) % 64 if iteration > 1 else tokens, targets
 
     return dataclasses.replace(base, data=data)
 

@@ -266,6 +266,22 @@ def test_after_a_restore_a_worker_that_never_polls_is_failed_after_grace_plus_ti
         assert doc["restore"] == {"epoch": 1, "iteration": None}  # a later version carries the restore
 
 
+def poll_without(
+    c: TestClient, job_id: str, worker: dict[str, str], silent: list[int], within_s: float
+) -> dict[str, Any]:
+    """Every worker but `silent` polls until the job names a failed worker or `within_s` passed; the
+    job's status then."""
+    deadline = time.monotonic() + within_s
+    doc = job(c, job_id)
+    while time.monotonic() < deadline and not doc["failed"]:
+        for w in EVERYONE:
+            if w != silent:
+                c.get(f"/v1/jobs/{job_id}/schedule?worker={w[0]},{w[1]}", headers=worker)
+        time.sleep(0.1)
+        doc = job(c, job_id)
+    return doc
+
+
 def test_a_job_none_of_whose_workers_comes_back_after_a_restore_is_restored_once(tmp_path: Path) -> None:
     """Before: every worker silent after the restore was declared failed at grace + timeout, which
     lost the stages again and restored again, every ~90 s forever. Now the job waits at the restore
@@ -283,13 +299,7 @@ def test_a_job_none_of_whose_workers_comes_back_after_a_restore_is_restored_once
         doc = job(c, job_id)
         assert (doc["version"], doc["state"], doc["failed"]) == (restored["version"], "running", []), doc
         assert doc["restore"]["epoch"] == 1
-        pollers = [w for w in EVERYONE if w != [2, 1]]  # the restart comes back without [2, 1]
-        deadline = time.monotonic() + timeout + 3
-        while time.monotonic() < deadline and not doc["failed"]:
-            for w in pollers:
-                c.get(f"/v1/jobs/{job_id}/schedule?worker={w[0]},{w[1]}", headers=worker)
-            time.sleep(0.1)
-            doc = job(c, job_id)
+        doc = poll_without(c, job_id, worker, [2, 1], timeout + 3)  # the restart comes back without it
         assert doc["failed"] == [[2, 1]] and doc["state"] == "running", doc
 
 
@@ -306,14 +316,7 @@ def test_a_worker_that_died_while_the_service_was_down_is_failed_once_its_peers_
     with TestClient(create_app(settings(data, restore_grace_s=grace))) as c:
         time.sleep(2 * (grace + timeout))  # nobody polls: nobody is failed (the job waits for them)
         assert job(c, job_id)["failed"] == []
-        pollers = [w for w in EVERYONE if w != [1, 0]]  # [1, 0] died while the service was down
-        deadline = time.monotonic() + grace + timeout + 3
-        doc = job(c, job_id)
-        while time.monotonic() < deadline and not doc["failed"]:
-            for w in pollers:
-                c.get(f"/v1/jobs/{job_id}/schedule?worker={w[0]},{w[1]}", headers=worker)
-            time.sleep(0.1)
-            doc = job(c, job_id)
+        doc = poll_without(c, job_id, worker, [1, 0], grace + timeout + 3)  # died while it was down
         assert doc["failed"] == [[1, 0]] and doc["state"] == "running", doc
 
 

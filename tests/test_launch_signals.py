@@ -4,7 +4,6 @@ is gone: `--exit-with-parent`). Before, both left every worker training on, orph
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -13,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import uniform_job
-from whatif.cache import PlanCache
-from whatif.precompute import precompute
+from tests.jobs import precomputed_inputs, uniform_job, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = uniform_job(2, 2, 2, name="launch-signals")
@@ -24,10 +21,7 @@ pytestmark = pytest.mark.timeout(150)
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    base = tmp_path_factory.mktemp("inputs")
-    (base / "job.json").write_text(JOB.model_dump_json())
-    precompute(JOB, 1, PlanCache(base / "plans"), num_workers=1, progress=False)
-    return str(base / "job.json"), str(base / "plans")
+    return precomputed_inputs(tmp_path_factory.mktemp("inputs"), JOB)
 
 
 def start(inputs: tuple[str, str], out: Path) -> tuple[subprocess.Popen[str], list[int]]:
@@ -46,24 +40,6 @@ def start(inputs: tuple[str, str], out: Path) -> tuple[subprocess.Popen[str], li
     raise AssertionError("the workers did not step within 90 s")
 
 
-def all_gone(pids: list[int], within_s: float) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                os.kill(pid, 0)
-                alive.append(pid)
-            except ProcessLookupError:
-                pass
-        if not alive:
-            return True
-        time.sleep(0.2)
-    for pid in alive:
-        os.kill(pid, signal.SIGKILL)
-    return False
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_launcher_stopped_from_outside_leaves_no_worker(
     inputs: tuple[str, str], tmp_path: Path, sig: signal.Signals
@@ -71,7 +47,7 @@ def test_a_launcher_stopped_from_outside_leaves_no_worker(
     proc, pids = start(inputs, tmp_path / "run")
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    assert all_gone(pids, 15.0), pids
+    assert wait_gone(pids, 15.0), pids
     if sig == signal.SIGTERM:
         assert proc.returncode == 128 + signal.SIGTERM, err
         assert "stopped by a signal: every worker stopped" in err and "Traceback" not in err, err

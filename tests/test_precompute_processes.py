@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.jobs import wait_gone
+
 ROOT = Path(__file__).resolve().parent.parent
 JOB = str(ROOT / "examples" / "gpt3-13b-p8d8-mem1x.json")  # 2 s plans: a run long enough to kill
 pytestmark = pytest.mark.timeout(120)
@@ -34,26 +36,6 @@ def start(out: Path) -> tuple[subprocess.Popen[str], list[int]]:
     raise AssertionError("precompute did not start planning within 60 s")
 
 
-def gone(pids: list[int], within_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while True:
-        alive = []
-        for pid in pids:
-            try:
-                os.kill(pid, 0)
-                alive.append(pid)
-            except ProcessLookupError:
-                pass
-        if not alive:
-            return True
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(0.1)
-    for pid in alive:  # do not leave them to the next test
-        os.kill(pid, signal.SIGKILL)
-    return False
-
-
 def finish(proc: subprocess.Popen[str], children: list[int]) -> str:
     """The run's stderr once it ended; on a timeout the run and its processes are killed."""
     try:
@@ -62,7 +44,7 @@ def finish(proc: subprocess.Popen[str], children: list[int]) -> str:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-            gone(children, 0.0)
+            wait_gone(children, 0.0)
 
 
 def test_sigterm_stops_it_like_ctrl_c_and_its_processes_end_with_it(tmp_path: Path) -> None:
@@ -71,7 +53,7 @@ def test_sigterm_stops_it_like_ctrl_c_and_its_processes_end_with_it(tmp_path: Pa
     err = finish(proc, children)
     assert proc.returncode == 130 and "interrupted: the plans written so far stay" in err, err
     assert "Traceback" not in err, err
-    assert gone(children), children
+    assert wait_gone(children, 5.0), children
 
 
 def test_a_killed_planning_process_is_one_line_and_exit_1(tmp_path: Path) -> None:
@@ -79,4 +61,4 @@ def test_a_killed_planning_process_is_one_line_and_exit_1(tmp_path: Path) -> Non
     os.kill(children[0], signal.SIGKILL)
     err = finish(proc, children)
     assert proc.returncode == 1 and "a planning process died" in err and "Traceback" not in err, err
-    assert gone(children[1:]), children
+    assert wait_gone(children[1:], 5.0), children

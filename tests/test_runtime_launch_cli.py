@@ -12,9 +12,7 @@ import pytest
 
 from recycle_cli import main
 from runtime_adapter.launch_spec import LaunchSpec
-from tests.jobs import uniform_job
-from whatif.cache import PlanCache
-from whatif.precompute import precompute
+from tests.jobs import precomputed_inputs, uniform_job
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,10 +63,7 @@ def fake_workers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    base = tmp_path_factory.mktemp("inputs")
-    (base / "job.json").write_text(JOB.model_dump_json())
-    precompute(JOB, 1, PlanCache(base / "plans"), num_workers=1, progress=False)
-    return str(base / "job.json"), str(base / "plans")
+    return precomputed_inputs(tmp_path_factory.mktemp("inputs"), JOB)
 
 
 def launch(inputs: tuple[str, str], out: Path, *extra: str) -> list[str]:
@@ -236,8 +231,8 @@ def test_a_dry_run_with_plan_on_demand_neither_plans_nor_writes(
 def test_check_data_stops_the_launch_when_the_data_function_drifts(
     inputs: tuple[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--check-data reads every micro-batch twice: a data function that is pure only in iteration 0
-    passes the check before start, then stops the job in iteration 1 with its error (exit 2), instead
+    """--check-data reads every micro-batch twice: a data function that is pure only in iterations 0
+    and 1 passes the check before start, then stops the job in iteration 2 with its error (exit 2), instead
     of being re-routed from worker to worker."""
     extra = ["--entry", "tests.library_entries:drifting", "--check-data", "--iterations", "4"]
     assert main(launch(inputs, tmp_path / "run", *extra)) == 2
