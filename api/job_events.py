@@ -40,6 +40,12 @@ class JobEvents(VersionPublisher):
             if old.body_json != body:
                 raise EventConflictError(f"event_id {event.event_id!r} was used before with another body")
             result = json.loads(old.result_json)
+            if self._auto(rt) and rt.record.state == "needs_restore" and result.get("version") == rt.version:
+                # its needs_restore version is the job's latest: the process that wrote it died before
+                # the restore version (a replica killed mid-event); the retry completes the restore
+                rec = EventRecord(job_id, old.event_id, old.seq, body, 200, "", old.created_at)
+                await self._restore(rt, list(rt.record.unrecoverable_stages), rec, rec.event_id)
+                result = json.loads(rec.result_json)
             result["replayed"] = True
             lost = result.get("unrecoverable_stages") if old.status_code == 409 else None
             return result, list(lost or [])

@@ -124,7 +124,7 @@ def test_an_auto_restore_cut_by_a_replica_kill_completes_on_the_retry_elsewhere(
     victim = Replica(
         pg_server.url_for(DB),
         tmp_path / "victim.log",
-        RECYCLE_TEST_KILL_IN_APPLY="before_commit:lose-stage-1",
+        RECYCLE_TEST_KILL_IN_APPLY="after_commit:lose-stage-1",  # the event goes with needs_restore
     )
     stage_1 = [[d, 1] for d in range(3)]
     try:
@@ -139,10 +139,10 @@ def test_an_auto_restore_cut_by_a_replica_kill_completes_on_the_retry_elsewhere(
     while _status(steady.base, job_id)["state"] != "needs_restore":
         assert time.monotonic() < deadline, "the survivor never saw the needs_restore version"
         time.sleep(0.05)
-    r = event(steady.base, job_id, "lose-stage-1", "fail", stage_1)  # the client's retry
+    r = event(steady.base, job_id, "lose-stage-1", "fail", stage_1)  # the client's retry: applied once
     assert r.status_code == 200, r.text
     body = r.json()
-    assert (body["version"], body["state"], body["failed"], body["replayed"]) == (3, "running", [], False)
+    assert (body["version"], body["state"], body["failed"], body["replayed"]) == (3, "running", [], True)
     assert body["restore"]["epoch"] == 1 and body["needs_restore_version"] == 2
     assert [v[0] for v in _query(pg_server, versions, job_id)] == [1, 2, 3]
     again = event(steady.base, job_id, "lose-stage-1", "fail", stage_1)
