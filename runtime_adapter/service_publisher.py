@@ -166,6 +166,12 @@ class ServicePublisher:
             return answered
         return followed
 
+    def fenced(self) -> frozenset[Worker]:
+        """The workers the newest version followed names failed (the service's heartbeat failed a
+        worker whose process may still run: hung, stopped, partitioned)."""
+        latest = None if self.follower is None else self.follower.latest
+        return frozenset() if latest is None else latest.failed
+
     def job_state(self) -> str | None:
         """The state of the newest version followed (None: none seen yet)."""
         latest = None if self.follower is None else self.follower.latest

@@ -85,6 +85,20 @@ class Supervisor(WorkerProcesses):
         self.lost_why = ""  # the state loss the next restore answers
         self.followed: Restore | None = None  # the newest restore followed
 
+    def _end_fenced(self) -> None:
+        """Kill the process of a worker the service declared failed while it still runs (hung, or
+        stopped with SIGSTOP: no poll, no progress). Its peers go on without it; left running, it held
+        `settled()` false for ever and the launch never ended. The next _reap sees it die. Only first
+        starts: a re-joined or restored process may run before the version that takes it back in."""
+        fenced = getattr(self.publisher, "fenced", None)
+        for w in fenced() if fenced is not None else ():
+            p = self.procs.get(w)
+            first = p is not None and self._started.get(p.pid, (None, 0, False))[2]
+            if p is not None and first and p.poll() is None and w not in self.failed:
+                logger.warning("worker %s: the service declared it failed; ending its process", list(w))
+                p.kill()
+                p.wait()
+
     def _reap(self) -> list[tuple[Worker, int]]:
         """Classify the exits since the last tick; the deaths (worker, exit code)."""
         died = []
@@ -131,6 +145,7 @@ class Supervisor(WorkerProcesses):
     def poll(self) -> list[Worker]:
         """One supervision tick (see the module docstring); the workers that died in it."""
         lost = set(self.publisher.flush())  # a queued event the service now answered as unrecoverable
+        self._end_fenced()
         died = self._reap()
         for w, code in died:
             if self._new_restore() is not None:

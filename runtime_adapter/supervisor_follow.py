@@ -33,6 +33,7 @@ class Followed:
     version: int
     state: str
     restore: Restore | None
+    failed: frozenset[tuple[int, int]] = frozenset()  # the version's failed workers
 
 
 class VersionFollower:
@@ -98,7 +99,9 @@ class VersionFollower:
                 self._stop.wait(backoff.next())
                 continue
             backoff.reset()
-            got = Followed(int(doc["version"]), str(doc.get("state", "running")), Restore.from_envelope(doc))
+            failed = frozenset((int(d), int(s)) for d, s in (doc.get("schedule") or {}).get("failed") or [])
+            state = str(doc.get("state", "running"))
+            got = Followed(int(doc["version"]), state, Restore.from_envelope(doc), failed)
             if self.latest is None or got.version > self.latest.version:
                 self.latest = got
                 self._new.set()

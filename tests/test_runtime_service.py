@@ -166,6 +166,30 @@ def test_heartbeat_timeout_fails_a_killed_worker(
 
 
 @pytest.mark.timeout(200)
+def test_a_hung_worker_the_service_failed_is_ended_and_the_launch_finishes(
+    service: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker stopped with SIGSTOP (alive, silent): the service's heartbeat fails it and the
+    survivors train on; before, its process kept `settled()` false and the launch never ended."""
+    job, n, victim = tiny_job(2, 2), 24, (1, 1)
+    monkeypatch.setenv("RECYCLE_POLL_WAIT_S", "30")
+    pub = ServicePublisher(service, TOKEN, job, max_failures=1, heartbeat_timeout_s=1.5)
+    spec = LaunchSpec(job, asdict(CFG), n, tmp_path, pace_ms=50)
+    launcher = Launcher(spec, publisher=pub, report_failures=False)
+    launcher.start()
+    everyone = spec.workers()
+    survivors = [w for w in everyone if w != victim]
+    supervise_until(launcher, lambda: steps(tmp_path, everyone) >= 3, "3 steps")
+    os.kill(launcher.procs[victim].pid, signal.SIGSTOP)
+    codes = launcher.wait(timedelta(seconds=150))
+    assert codes[victim] == -signal.SIGKILL and all(codes[w] == 0 for w in survivors), codes
+    end = pub.status()
+    assert end["state"] == "finished" and end["failed"] == [list(victim)], end
+    assert_exactly_once(tmp_path, job, n)
+    assert_matches_reference(tmp_path, job, n, survivors)
+
+
+@pytest.mark.timeout(200)
 def test_whole_stage_lost_under_the_service_is_restored_by_the_service(service: str, tmp_path: Path) -> None:
     """Both stage-1 workers die in iteration 5 (checkpoints every 2): the launcher posts both fails,
     the service (restore policy auto) commits needs_restore and at once a restore version, and the
