@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from planner.contract import JobSpec
 from runtime_adapter.assignment import Worker
 from runtime_adapter.client import HttpScheduleSource, ScheduleClient, SourceRejected
 from runtime_adapter.launch import Launcher, LaunchSpec
@@ -129,6 +130,20 @@ def test_client_answers_304_needs_restore_and_stops_on_401_403_404(service: str)
 
 
 @pytest.mark.timeout(200)
+def heartbeat_launch(
+    service: str, job: JobSpec, n: int, victim: Worker, out: Path, timeout_s: float
+) -> tuple[ServicePublisher, Launcher, list[Worker]]:
+    """A launch that leaves failure detection to the service's heartbeat (timeout `timeout_s`), once
+    every worker stepped 3 times; (publisher, launcher, the workers other than `victim`)."""
+    pub = ServicePublisher(service, TOKEN, job, max_failures=1, heartbeat_timeout_s=timeout_s)
+    spec = LaunchSpec(job, asdict(CFG), n, out, pace_ms=50)
+    launcher = Launcher(spec, publisher=pub, report_failures=False)
+    launcher.start()
+    everyone = spec.workers()
+    supervise_until(launcher, lambda: steps(out, everyone) >= 3, "3 steps")
+    return pub, launcher, [w for w in everyone if w != victim]
+
+
 def test_heartbeat_timeout_fails_a_killed_worker(
     service: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -140,13 +155,7 @@ def test_heartbeat_timeout_fails_a_killed_worker(
     # counts only polls arriving, so detection takes the heartbeat timeout, not the poll wait.
     monkeypatch.setenv("RECYCLE_POLL_WAIT_S", "30")
     timeout_s = 1.5
-    pub = ServicePublisher(service, TOKEN, job, max_failures=1, heartbeat_timeout_s=timeout_s)
-    spec = LaunchSpec(job, asdict(CFG), n, tmp_path, pace_ms=50)
-    launcher = Launcher(spec, publisher=pub, report_failures=False)
-    launcher.start()
-    everyone = spec.workers()
-    survivors = [w for w in everyone if w != victim]
-    supervise_until(launcher, lambda: steps(tmp_path, everyone) >= 3, "3 steps")
+    pub, launcher, survivors = heartbeat_launch(service, job, n, victim, tmp_path, timeout_s)
     launcher.kill(victim)
     killed = time.monotonic()
     supervise_until(launcher, lambda: bool(pub.status()["failed"]), "the heartbeat failure", 40)
@@ -173,13 +182,7 @@ def test_a_hung_worker_the_service_failed_is_ended_and_the_launch_finishes(
     survivors train on; before, its process kept `settled()` false and the launch never ended."""
     job, n, victim = tiny_job(2, 2), 24, (1, 1)
     monkeypatch.setenv("RECYCLE_POLL_WAIT_S", "30")
-    pub = ServicePublisher(service, TOKEN, job, max_failures=1, heartbeat_timeout_s=1.5)
-    spec = LaunchSpec(job, asdict(CFG), n, tmp_path, pace_ms=50)
-    launcher = Launcher(spec, publisher=pub, report_failures=False)
-    launcher.start()
-    everyone = spec.workers()
-    survivors = [w for w in everyone if w != victim]
-    supervise_until(launcher, lambda: steps(tmp_path, everyone) >= 3, "3 steps")
+    pub, launcher, survivors = heartbeat_launch(service, job, n, victim, tmp_path, 1.5)
     os.kill(launcher.procs[victim].pid, signal.SIGSTOP)
     codes = launcher.wait(timedelta(seconds=150))
     assert codes[victim] == -signal.SIGKILL and all(codes[w] == 0 for w in survivors), codes
