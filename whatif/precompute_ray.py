@@ -124,12 +124,13 @@ def trial_connect(address: str, flag: str = FLAG, timeout_s: float = TRIAL_TIMEO
 def connect(address: str, flag: str = FLAG, trial: bool = True) -> None:
     """Connect this process to the Ray cluster at `address` (nothing to do when already connected),
     after a trial connection in a child process (`trial_connect`; `trial` False: the caller is such a
-    child already, the service's Ray driver)."""
+    child already, the service's Ray driver). Not for a `ray://` address: each Ray Client connection
+    starts a server process on the head, and a trial one doubled that (past 30 s under load)."""
     ray = _ray(flag)
     if ray.is_initialized():
         return
     probe(address, flag)
-    if trial:
+    if trial and not address.startswith("ray://"):  # Ray Client: a server per connection, slow to start
         trial_connect(address, flag)
     try:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, namespace="recycle")
