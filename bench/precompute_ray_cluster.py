@@ -35,11 +35,20 @@ FAST_HEALTH_CHECKS = {
 }
 
 
+_GIVEN: set[int] = set()  # every port free_port handed out in this process
+
+
 def free_port() -> int:
-    """A TCP port nobody listens on now."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+    """A TCP port nobody listens on now and that this process has not handed out before: the OS can
+    return a port it just gave again, and two Ray components of one node then collided (`ray start`
+    refused: "metrics_export is trying to use a port number ... used by other components")."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def _processes() -> dict[int, tuple[int, int, str]]:
