@@ -138,15 +138,19 @@ def scan_heartbeats(
     worker's socket stays open). Tracked: alive (not failed), not done workers that polled at least
     once, while the job runs with heartbeats on. After a restore every worker counts as seen at the
     end of the restore grace; while none of them has polled since, the job waits for its restart and
-    none is tracked (a job whose workers are all gone is restored once, not again and again)."""
+    none is tracked (a job whose workers are all gone is restored once, not again and again). Once one
+    has polled, the others count as seen at that poll (or at the end of the grace, if later): a restart
+    that comes back late is not failed worker by worker as its first poll arrives."""
     if not rt.record.heartbeat_enabled or rt.record.state != "running" or not rt.last_seen:
         return [], None
     timeout = rt.record.heartbeat_timeout_s or default_timeout_s
     failed = {(int(d), int(s)) for d, s in rt.scenario.failed}
     if rt.restore_until is not None:
         tracked = [seen for w, seen in rt.last_seen.items() if w not in failed and w not in rt.done]
-        if all(seen == rt.restore_until for seen in tracked):
+        back = [seen for seen in tracked if seen != rt.restore_until]
+        if not back:
             return [], None
+        rt.restart_clocks(min(back))
     silent: list[tuple[int, int]] = []
     oldest: float | None = None
     for w, seen in rt.last_seen.items():

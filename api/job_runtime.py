@@ -87,6 +87,18 @@ class JobRuntime:
         }
         self.restore_until = until
 
+    def restart_clocks(self, first_poll: float) -> None:
+        """A worker polled after `expect_every_worker`: the workers not seen since count as seen at
+        `first_poll`, or at the end of the wait if later, and the wait is over (api/background.py)."""
+        until = self.restore_until
+        if until is None:
+            return
+        start = max(first_poll, until)
+        for w, seen in self.last_seen.items():
+            if seen == until:
+                self.last_seen[w] = start
+        self.restore_until = None
+
     @property
     def version(self) -> int:
         return self.record.version

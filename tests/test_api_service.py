@@ -122,6 +122,32 @@ def test_silent_workers(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_after_a_restore_the_first_poll_starts_the_others_clocks(tmp_path: Path) -> None:
+    """Before: a restart that came back after the restore grace was failed worker by worker: the
+    first poll ended the wait and every peer not yet polled was already a timeout past the grace."""
+
+    async def scenario() -> None:
+        service, _ = make_service(tmp_path)
+        rt, _ = await service.create(JobCreate(job=JOB, heartbeat_timeout_s=5))
+        now = time.monotonic()
+        rt.expect_every_worker(now - 60)  # the grace ended a minute ago
+        assert scan_heartbeats(rt, now, 30.0) == ([], None)  # nobody back: the job waits
+        rt.last_seen[(0, 0)] = now - 1  # the first worker back
+        silent, deadline = scan_heartbeats(rt, now, 30.0)
+        assert silent == [] and deadline == pytest.approx(now - 1 + 5)
+        assert rt.last_seen[(1, 1)] == now - 1 and rt.restore_until is None
+        assert scan_heartbeats(rt, now + 3.5, 30.0)[0] == []  # the peers have a timeout to poll
+        rt.last_seen[(0, 0)] = now + 4
+        assert (1, 1) in scan_heartbeats(rt, now + 4.5, 30.0)[0]  # a timeout after the first poll
+        rt.expect_every_worker(now + 60)  # back within the grace: the clocks start at its end
+        rt.last_seen[(0, 0)] = now
+        scan_heartbeats(rt, now, 30.0)
+        assert rt.last_seen[(1, 1)] == now + 60
+        await service.stop()
+
+    asyncio.run(scenario())
+
+
 def test_a_parked_poll_is_no_sign_of_life(tmp_path: Path) -> None:
     """Liveness comes from polls arriving: a worker whose poll stays parked (a partitioned worker's
     socket stays open) is silent from the poll's arrival, and its poll waits at most a third of
