@@ -38,4 +38,5 @@ class ScheduleRuleError(PlannerError):
 
     def __init__(self, rule: str, message: str) -> None:
         self.rule = rule
+        self.message = message
         super().__init__(f"[{rule}] {message}")

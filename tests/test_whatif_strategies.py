@@ -7,6 +7,7 @@ the steady iteration time is (M + P - 1) * (F + BW): 9 ms for P=2, M=2, F=1, BW=
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,7 @@ from whatif.strategies import (
     young_daly_interval_s,
 )
 
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 STAGE = {
     "forward": 1.0,
     "backward_input": 1.0,
@@ -141,3 +143,18 @@ def test_outcomes_are_invariant_under_pipeline_permutation() -> None:
 
 def test_checkpoint_restart_is_flagged_as_restarting() -> None:
     assert CheckpointRestart(tiny(), Costs()).restarts
+
+
+def test_a_baseline_that_runs_over_the_memory_capacity_is_fatal() -> None:
+    """Before: the what-if timed the ablations' orders without their memory, so a failure set whose
+    1F1B-style orders put more activations on a peer than its capacity holds ran at full speed."""
+    job = JobSpec.model_validate_json((EXAMPLES / "gpt3-6.7b-p8d4-mem1x.json").read_text())
+    scenario = fs((0, 1), (1, 2), (2, 3))
+    ablations = ("reroute-only", "reroute+decoupled", "reroute+decoupled+staggered")
+    strategies = make_strategies(job, Costs(), names=(*ablations, "shrink"))
+    for name in ablations:
+        out = strategies[name].outcome(scenario)
+        assert out.fatal and "runs out of memory" in out.reason, (name, out)
+        assert "over the capacity of 7296.000 MiB at stage 1" in out.reason, out.reason
+    assert not strategies["shrink"].outcome(scenario).fatal  # 1F1B's in-flight count stays P - s
+    assert not strategies["reroute-only"].outcome(fs((1, 2))).fatal  # one failure fits

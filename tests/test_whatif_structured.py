@@ -10,9 +10,11 @@ import pytest
 
 from planner.baselines import baseline_schedule
 from planner.contract import FailureScenario, JobSpec
-from planner.errors import InvalidInputError
+from planner.errors import InvalidInputError, ScheduleRuleError
 from planner.normalize import normalize
 from planner.plan import baseline_1f1b_ms
+from planner.simulator.engine import replay
+from planner.simulator.report import check_capacity
 from whatif.structured import baseline_times, failure_free_1f1b_ms, reduced_case
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,6 +32,7 @@ def small_job(pipelines: int, microbatches: int, tight_memory: bool = False) -> 
 
 def full(name: str, job: JobSpec, scenario: FailureScenario) -> tuple[float, float]:
     sched = baseline_schedule(name, job, scenario)
+    check_capacity(job, replay(job, scenario, sched).peak_memory_mib)  # the validator's memory rule
     return sched.iteration_time_ms, max(a.end_ms for ws in sched.workers for a in ws.actions)
 
 
@@ -46,18 +49,22 @@ def cases(job: JobSpec) -> list[FailureScenario]:
 @pytest.mark.parametrize("pipelines,microbatches,tight", [(12, 2, False), (9, 3, True), (7, 4, False)])
 def test_structured_baselines_equal_the_full_replay(pipelines: int, microbatches: int, tight: bool) -> None:
     job = small_job(pipelines, microbatches, tight)
-    reduced = 0
+    reduced = over_memory = 0
     for scenario, name in itertools.product(cases(job), NAMES):
         for sc in (scenario, normalize(job, scenario).scenario):  # as given, and normalized
             try:
                 want = full(name, job, sc)
-            except InvalidInputError:
-                with pytest.raises(InvalidInputError):
+            except (InvalidInputError, ScheduleRuleError) as exc:
+                with pytest.raises(type(exc)) as got:
                     baseline_times(name, job, sc)
+                if isinstance(exc, ScheduleRuleError):
+                    assert isinstance(got.value, ScheduleRuleError) and got.value.rule == exc.rule == "memory"
+                    over_memory += 1
                 continue
             assert baseline_times(name, job, sc) == want, (name, sc.failed)  # bitwise equal
             reduced += reduced_case(name, job, sc) is not None
     assert reduced > 50  # the structure was used, not only the fallback
+    assert (over_memory > 0) == tight  # a re-routed peer's extra activations break the tight capacity
 
 
 def test_failure_free_1f1b_is_one_pipeline_and_equals_the_planner_figure() -> None:

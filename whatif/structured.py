@@ -108,37 +108,47 @@ def reduced_case(
     return None
 
 
-def baseline_times(name: str, job: JobSpec, scenario: FailureScenario) -> tuple[float, float]:
+def baseline_times(
+    name: str, job: JobSpec, scenario: FailureScenario, check_memory: bool = True
+) -> tuple[float, float]:
     """(iteration time, cold-start makespan = the first iteration's largest end_ms) of baseline
     `name` on (job, scenario): planner.baselines' schedule, replayed on the reduced job when the
-    structure allows (same figures), else on the whole grid. Raises what baseline_schedule raises."""
+    structure allows (same figures), else on the whole grid. Raises what baseline_schedule raises,
+    and, `check_memory`, ScheduleRuleError("memory") when a worker of the schedule peaks over its
+    stage's capacity (the strategy would run out of memory: it cannot run this failure set)."""
     from planner.baselines import BASELINES
 
     if name not in BASELINES:
         raise InvalidInputError(f"unknown baseline {name!r}; known: {', '.join(sorted(BASELINES))}")
     case = reduced_case(name, job, scenario)
     if case is None:
-        return _replayed(name, job, scenario)
+        return _replayed(name, job, scenario, check_memory)
     # Many failure sets share a reduced case (1f1b-survivors: all with the same number of dropped
     # pipelines), so those are remembered.
     small, small_scenario = case
-    return _replayed_reduced(name, small.model_dump_json(), small_scenario.model_dump_json())
+    return _replayed_reduced(name, small.model_dump_json(), small_scenario.model_dump_json(), check_memory)
 
 
 @lru_cache(maxsize=1024)
-def _replayed_reduced(name: str, job_json: str, scenario_json: str) -> tuple[float, float]:
+def _replayed_reduced(
+    name: str, job_json: str, scenario_json: str, check_memory: bool
+) -> tuple[float, float]:
     job = JobSpec.model_validate_json(job_json)
-    return _replayed(name, job, FailureScenario.model_validate_json(scenario_json))
+    return _replayed(name, job, FailureScenario.model_validate_json(scenario_json), check_memory)
 
 
-def _replayed(name: str, job: JobSpec, scenario: FailureScenario) -> tuple[float, float]:
+def _replayed(name: str, job: JobSpec, scenario: FailureScenario, check_memory: bool) -> tuple[float, float]:
     from planner.baselines import BASELINES
     from planner.simulator.engine import replay_orders
+    from planner.simulator.report import check_capacity
 
     baseline = BASELINES[name]
     problem = baseline.build_problem(job, scenario)
-    # The orders baseline_schedule would stamp into a document, replayed without building it.
-    result = replay_orders(job, scenario, baseline.build_orders(problem))
+    # The orders baseline_schedule would stamp into a document, replayed without building it. The
+    # reduced job keeps every kept worker's order, so its peaks too.
+    with_memory = check_memory and any(job.capacity_mib(s) is not None for s in range(job.num_stages))
+    result = replay_orders(job, scenario, baseline.build_orders(problem), with_memory=with_memory)
+    check_capacity(job, result.peak_memory_mib)
     ends = [end for times in result.first_iteration_times.values() for _, end in times]
     # to_schedule stamps end_ms rounded to 6 decimals; the makespan is the largest of those.
     return result.iteration_time_ms, round(max(ends, default=0.0), 6)

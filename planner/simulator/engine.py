@@ -246,16 +246,17 @@ def replay_orders(
     scenario: FailureScenario,
     orders: dict[WorkerKey, list[tuple[str, tuple[int, int] | None]]],
     num_iterations: int = 4,
+    with_memory: bool = False,
 ) -> Replay:
     """`replay` of the schedule whose workers run `orders` (each ending with ("OPT", None)), listed
     by stage then pipeline as planner.orders.to_schedule lists them, without building the schedule
     document: the same structure checks (check_orders), the same times. For callers that only want
-    the figures of many large schedules (whatif's baselines). Peak memory is not computed
-    (peak_memory_mib is empty)."""
+    the figures of many large schedules (whatif's baselines). Peak memory is computed only
+    `with_memory` (else peak_memory_mib is empty)."""
     _check_iterations(num_iterations)
     listing = [(w, orders[w]) for w in sorted(orders, key=lambda w: (w[1], w[0]))]
     lay = check_orders(job, scenario, listing)
-    return _replay_layout(job, lay, num_iterations, with_memory=False)
+    return _replay_layout(job, lay, num_iterations, with_memory=with_memory)
 
 
 class _Clock:

@@ -60,6 +60,18 @@ class ValidationReport:
         }
 
 
+def check_capacity(job: JobSpec, peaks: dict[WorkerKey, float]) -> None:
+    """Raise ScheduleRuleError("memory") naming the first worker (by pipeline, stage) whose peak is
+    over its stage's capacity."""
+    for (d, s), peak in sorted(peaks.items()):
+        cap = job.capacity_mib(s)
+        if cap is not None and peak > cap * (1 + MEMORY_TOLERANCE) + MEMORY_TOLERANCE:
+            raise ScheduleRuleError(
+                "memory",
+                f"worker [{d}, {s}] peaks at {peak:.3f} MiB, over the capacity of {cap:.3f} MiB at stage {s}",
+            )
+
+
 def validate(
     job: JobSpec,
     scenario: FailureScenario,
@@ -91,13 +103,7 @@ def validate(
     result = replay(job, scenario, schedule, num_iterations=num_iterations)
     num_p = job.num_stages
     capacity = [job.capacity_mib(s) for s in range(num_p)]
-    for (d, s), peak in sorted(result.peak_memory_mib.items()):
-        cap = capacity[s]
-        if cap is not None and peak > cap * (1 + MEMORY_TOLERANCE) + MEMORY_TOLERANCE:
-            raise ScheduleRuleError(
-                "memory",
-                f"worker [{d}, {s}] peaks at {peak:.3f} MiB, over the capacity of {cap:.3f} MiB at stage {s}",
-            )
+    check_capacity(job, result.peak_memory_mib)
     t = result.iteration_time_ms
     if check_claim:
         _check_claim(schedule, result)

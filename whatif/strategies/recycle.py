@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import Any
 
 from planner.contract import FailureScenario, JobSpec, Schedule
-from planner.errors import InvalidInputError, UnrecoverableScenarioError
+from planner.errors import InvalidInputError, ScheduleRuleError, UnrecoverableScenarioError
 from planner.normalize import normalize
 from whatif.cache import PlanCache
 from whatif.strategies.base import Costs, Outcome, Strategy, lost_stages
@@ -143,6 +143,9 @@ class RecycleBarrier(Recycle):
     _field = "barrier_ms"
 
 
+BASELINE_RECORD_VERSION = 2  # 2: over a memory capacity is fatal (before, timed as if it ran)
+
+
 class BaselineSchedule(Strategy):
     """A planner.baselines schedule on the failure set, timed by the simulator."""
 
@@ -165,13 +168,16 @@ class BaselineSchedule(Strategy):
             return Outcome(None, f"stage(s) {lost} have no alive worker")
         key = normalize(self.job, scenario).key
         rec = self.cache.get(key, kind=self.baseline)
-        if rec is None:
+        if rec is None or rec.get("version") != BASELINE_RECORD_VERSION:
             try:  # replayed on a reduced grid where the structure allows: same figures
                 iteration_ms, cold_ms = baseline_times(self.baseline, self.job, scenario)
             except InvalidInputError as exc:
                 rec = {"fatal": str(exc)}
+            except ScheduleRuleError as exc:  # over a capacity: it would run out of memory
+                rec = {"fatal": f"{self.baseline} runs out of memory: {exc.message}"}
             else:
                 rec = {"iteration_time_ms": iteration_ms, "barrier_ms": cold_ms}
+            rec["version"] = BASELINE_RECORD_VERSION
             self.cache.put(key, rec, kind=self.baseline)
         if "fatal" in rec:
             return Outcome(None, str(rec["fatal"]))
