@@ -264,11 +264,12 @@ def _failure_sets(events: list[Any]) -> list[FailureScenario]:
 def estimate_report(
     job: JobSpec, strategies: dict[str, Strategy], events: list[Any], duration_s: float
 ) -> dict[str, dict[str, Any]]:
-    """Per recycle model: which failure sets were estimated, the share of the run spent in them, and
-    how far the estimate is from the plan where both are known (whatif/estimate.py)."""
+    """Per recycle model (and recycle+repartition): which failure sets were estimated, the share of
+    the run spent in them, and how far the estimate is from the plan where both are known
+    (whatif/estimate.py)."""
     from planner.normalize import normalize
     from whatif.estimate import ESTIMATE_METHOD, barrier_estimate_ms, estimate_of
-    from whatif.strategies import Recycle
+    from whatif.strategies import Recycle, RecycleRepartition
 
     played = [e for e in events if e.time_s < duration_s]
     time_by_key: dict[str, float] = {}
@@ -282,9 +283,9 @@ def estimate_report(
         time_by_key[key] = time_by_key.get(key, 0.0) + max(0.0, end - start)
     out: dict[str, dict[str, Any]] = {}
     for name, strat in strategies.items():
-        if not isinstance(strat, Recycle):
+        if not isinstance(strat, (Recycle, RecycleRepartition)):
             continue
-        field = strat._field
+        field = strat._field if isinstance(strat, Recycle) else "iteration_time_ms"
         sets, errors = [], []
         for key, rec in strat.used.items():
             entry: dict[str, Any] = {

@@ -31,14 +31,19 @@ from whatif.cache import PlanCache
 from whatif.strategies.base import Costs, Outcome, Strategy, lost_stages
 
 KIND = "repartition"
-RECORD_VERSION = 3  # 2: a stage may hold no layer; 3: derived layers keep embedding and head
+RECORD_VERSION = 4  # 2: a stage may hold no layer; 3: derived layers keep embedding and head;
+# 4: no failure keeps the job's own partition
 
 
 def repartition_record(
     job: JobSpec, scenario: FailureScenario, exact: bool, time_limit: timedelta
 ) -> dict[str, Any]:
-    """The cache record of `scenario` (canonical form): iteration time, partition, migration."""
+    """The cache record of `scenario` (canonical form): iteration time, partition, migration.
+    Without a failure the job keeps its own partition: the strategy moves layers in answer to
+    failures, not to rebalance the job's own split (which would beat the failure-free run)."""
     scenario.check_grid(job)
+    if not scenario.failed:
+        return _own_partition_record(job, scenario, exact, time_limit)
     if exact:
         from planner.partition.choose import plan_repartition
 
@@ -73,6 +78,27 @@ def repartition_record(
     }
 
 
+def _own_partition_record(
+    job: JobSpec, scenario: FailureScenario, exact: bool, time_limit: timedelta
+) -> dict[str, Any]:
+    if exact:
+        from planner.plan import plan
+
+        ms = plan(job, scenario, time_limit=time_limit, use_cpsat=False).iteration_time_ms
+    else:
+        ms = memory_bound(job, scenario)
+    rec: dict[str, Any] = {
+        "iteration_time_ms": ms,
+        "reroute_only_ms": ms,
+        "partition": layer_model(job).partition,
+        "migration_ms": 0.0,
+        "note": "no failure: the job's own partition",
+    }
+    if not exact:
+        rec["estimated"] = True
+    return rec
+
+
 class RecycleRepartition(Strategy):
     """Re-routed schedules on a re-partitioned grid (planner.partition)."""
 
@@ -95,6 +121,7 @@ class RecycleRepartition(Strategy):
         self._last_scenario: FailureScenario | None = None
         self.migrations_ms: list[float] = []  # charged at each change, in order
         self._partitions: dict[str, list[list[int]]] = {}  # normalized key -> its split
+        self.used: dict[str, dict[str, Any]] = {}  # normalized key -> the record the model used
 
     def evaluate(self, scenario: FailureScenario) -> Outcome:
         lost = lost_stages(self.job, scenario)
@@ -110,6 +137,7 @@ class RecycleRepartition(Strategy):
                 rec = {"fatal": str(exc)}
             rec["version"] = RECORD_VERSION
             self.cache.put(key, rec, kind=kind)
+        self.used[key] = {**rec, "scenario": scenario.model_dump(mode="json")}
         if "fatal" in rec:
             return Outcome(None, str(rec["fatal"]))
         self._partitions[key] = [list(r) for r in rec["partition"]]
