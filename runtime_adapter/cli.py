@@ -56,6 +56,12 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--schedule-file", help="schedule envelope file {version, schedule}")
     src.add_argument("--service", type=service_url, help="planner service URL (with --job-id and --token)")
+    p.add_argument(
+        "--heartbeat-dir",
+        metavar="DIR",
+        help="with --schedule-file: touch DIR/<d>_<s>.<pid> while polling it, so that whoever writes the "
+        "file can tell this worker stopped (`recycle launch --schedules` passes it)",
+    )
     p.add_argument("--job-id")
     p.add_argument("--token")
     p.add_argument("--store", required=True, help="host:port of the rendezvous TCPStore")
@@ -107,6 +113,7 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
 def cmd_worker(args: argparse.Namespace) -> int:
     """Run one worker until the job's iterations are done."""
     from runtime_adapter.client import FileScheduleSource, HttpScheduleSource, ScheduleSource
+    from runtime_adapter.heartbeats import Heartbeat
     from runtime_adapter.worker import WaitTimeout, WorkerOptions, WorkerProcess, install_log_prefix
 
     job = read_job(args.job)
@@ -154,8 +161,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
     source: ScheduleSource
     if args.schedule_file:
         check_envelope_file(Path(args.schedule_file))
-        source = FileScheduleSource(Path(args.schedule_file), worker, job.num_pipelines, job.num_microbatches)
+        beat = Heartbeat(Path(args.heartbeat_dir), worker) if args.heartbeat_dir else None
+        source = FileScheduleSource(
+            Path(args.schedule_file), worker, job.num_pipelines, job.num_microbatches, heartbeat=beat
+        )
     else:
+        if args.heartbeat_dir:
+            print("recycle worker: --heartbeat-dir goes with --schedule-file (the service is the heartbeat)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
         if not (args.job_id and args.token):
             print("recycle worker: --service needs --job-id and --token", file=sys.stderr)
             return 2

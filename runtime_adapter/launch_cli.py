@@ -84,7 +84,11 @@ def add_launch_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         "failed workers (default 1); larger sets are planned when they happen",
     )
     p.add_argument(
-        "--heartbeat-timeout", type=finite_float, help="with --service: silence that fails a worker (s)"
+        "--heartbeat-timeout",
+        type=finite_float,
+        help="silence that fails a worker (s): with --service the service's (default its "
+        "RECYCLE_HEARTBEAT_TIMEOUT_S), with --schedules the launcher ends a worker that stopped polling "
+        "the schedule file that long (default 30)",
     )
     p.add_argument(
         "--repartition",
@@ -150,12 +154,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     args.checkpoint_every = resolve_checkpoint_every(args.checkpoint_every)
     check_min("--checkpoint-every", args.checkpoint_every, 0)
     check_min("--pace-ms", args.pace_ms, 0)
-    service_only = (("--max-failures", args.max_failures), ("--heartbeat-timeout", args.heartbeat_timeout))
-    given = [flag for flag, value in service_only if value is not None]
-    if given and not args.service:
-        raise InvalidInputError(
-            f"{' and '.join(given)}: only with --service (the service precomputes and watches)"
-        )
+    if args.max_failures is not None and not args.service:
+        raise InvalidInputError("--max-failures: only with --service (the service precomputes)")
     args.max_failures = 1 if args.max_failures is None else args.max_failures
     check_min("--max-failures", args.max_failures, 0)
     check_min("--heartbeat-timeout", args.heartbeat_timeout, 0, strict=True)
@@ -221,6 +221,7 @@ def _check_repartition(args: argparse.Namespace, job: JobSpec, has_layer_ranges:
 
 def _publisher(args: argparse.Namespace, spec: LaunchSpec) -> Publisher | str:
     """The publisher for --schedules or --service, or a one-line error (bad input)."""
+    from runtime_adapter.heartbeats import DEFAULT_TIMEOUT_S
     from runtime_adapter.publishers import FilePublisher, ServicePublisher
     from runtime_adapter.schedules import open_schedules
 
@@ -228,7 +229,8 @@ def _publisher(args: argparse.Namespace, spec: LaunchSpec) -> Publisher | str:
         source = open_schedules(args.schedules, spec.job, args.plan_on_demand)
         print(f"schedules: {source.describe()}")
         checkpoints = spec.checkpoints if spec.checkpoint_every > 0 else None  # restores need them
-        return FilePublisher(spec.out_dir / "schedule.json", spec.job, source, checkpoints)
+        timeout = DEFAULT_TIMEOUT_S if args.heartbeat_timeout is None else args.heartbeat_timeout
+        return FilePublisher(spec.out_dir / "schedule.json", spec.job, source, checkpoints, timeout)
     if args.plan_on_demand:
         return "--plan-on-demand goes with --schedules (the service plans by itself)"
     env_token = runtime_settings().controller_token

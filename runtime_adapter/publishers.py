@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from planner.contract import JobSpec, Schedule
 from runtime_adapter.assignment import Worker, parse_restore
+from runtime_adapter.heartbeats import DEFAULT_TIMEOUT_S, silent
 
 if TYPE_CHECKING:
     from runtime_adapter.service_publisher import ServicePublisher as ServicePublisher
@@ -155,6 +156,17 @@ class Publisher(Protocol):
         """The newest restore published (None: none yet)."""
         ...
 
+    def fenced(self) -> frozenset[Worker]:
+        """The workers the controller declared failed by itself, whose processes may still run (the
+        service's heartbeat failed them: hung, stopped, partitioned)."""
+        ...
+
+    def silent(self, running: Mapping[Worker, int]) -> list[Worker]:
+        """The workers of `running` (worker -> pid) that stopped polling for the heartbeat timeout and
+        that only the launcher can tell (a schedule file: heartbeats.py); the service tells its own
+        through `fenced`."""
+        ...
+
     def finish(self) -> None:
         """The job is over (every worker exited)."""
         ...
@@ -171,10 +183,17 @@ class FilePublisher:
     at was replaced meanwhile and leaves (fencing, incarnation.py)."""
 
     def __init__(
-        self, path: Path, job: JobSpec, schedule_for: ScheduleFor, checkpoints: Path | str | None = None
+        self,
+        path: Path,
+        job: JobSpec,
+        schedule_for: ScheduleFor,
+        checkpoints: Path | str | None = None,
+        heartbeat_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self.path, self.job, self.schedule_for = Path(path), job, schedule_for
         self.checkpoints = checkpoints
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.heartbeats = self.path.parent / "heartbeats"  # the workers' files (heartbeats.py)
         self.failed: set[Worker] = set()
         self.version = 0
         self.restore: Restore | None = None
@@ -213,7 +232,15 @@ class FilePublisher:
 
     def worker_args(self) -> list[str]:
         """See Publisher.worker_args."""
-        return ["--schedule-file", str(self.path)]
+        return ["--schedule-file", str(self.path), "--heartbeat-dir", str(self.heartbeats)]
+
+    def fenced(self) -> frozenset[Worker]:
+        """None: a schedule file fails only the workers the launcher reported."""
+        return frozenset()
+
+    def silent(self, running: Mapping[Worker, int]) -> list[Worker]:
+        """See Publisher.silent: heartbeat files older than the timeout."""
+        return silent(self.heartbeats, running, self.heartbeat_timeout_s)
 
     def report(
         self, kind: str, workers: Sequence[Worker], reason: str = "", event_id: str | None = None

@@ -23,7 +23,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from planner.contract import JobSpec
@@ -171,6 +171,10 @@ class ServicePublisher:
         worker whose process may still run: hung, stopped, partitioned)."""
         latest = None if self.follower is None else self.follower.latest
         return frozenset() if latest is None else latest.failed
+
+    def silent(self, running: Mapping[Worker, int]) -> list[Worker]:
+        """None: the service watches the workers' polls itself and fails the silent ones (`fenced`)."""
+        return []
 
     def job_state(self) -> str | None:
         """The state of the newest version followed (None: none seen yet)."""

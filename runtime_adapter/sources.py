@@ -29,6 +29,7 @@ from runtime_adapter.assignment import (
     assignment_from_view,
     envelope_fields,
 )
+from runtime_adapter.heartbeats import Heartbeat
 from runtime_adapter.reports import (
     DONE_DEADLINE_S,
     RETRIED_4XX,
@@ -73,15 +74,25 @@ class FileScheduleSource:
     """A JSON file with {"version": N, "schedule": <CONTRACT.md schedule>}, replaced atomically."""
 
     def __init__(
-        self, path: Path, worker: Worker, num_pipelines: int, num_microbatches: int, poll_s: float = 0.02
+        self,
+        path: Path,
+        worker: Worker,
+        num_pipelines: int,
+        num_microbatches: int,
+        poll_s: float = 0.02,
+        heartbeat: Heartbeat | None = None,
     ) -> None:
+        """`heartbeat`: touched on every read of the file (runtime_adapter/heartbeats.py)."""
         self.path, self.worker, self.poll_s = Path(path), worker, poll_s
         self.num_pipelines, self.num_microbatches = num_pipelines, num_microbatches
+        self.heartbeat = heartbeat
 
     def fetch(self, after_version: int, wait: timedelta) -> Assignment | None:
         """See ScheduleSource.fetch."""
         deadline = time.monotonic() + wait.total_seconds()
         while True:
+            if self.heartbeat is not None:
+                self.heartbeat.beat()
             try:
                 doc = json.loads(self.path.read_text())
             except FileNotFoundError as e:
@@ -105,7 +116,9 @@ class FileScheduleSource:
             time.sleep(self.poll_s)
 
     def done(self) -> bool:
-        """Nothing to tell: a schedule file has no heartbeats."""
+        """Nothing to tell, but the heartbeat file goes: the launcher stops tracking this worker."""
+        if self.heartbeat is not None:
+            self.heartbeat.end()
         return True
 
     def checkpoint(self, iteration: int) -> bool:

@@ -89,9 +89,18 @@ class Supervisor(WorkerProcesses):
         """Kill the process of a worker the service declared failed while it still runs (hung, or
         stopped with SIGSTOP: no poll, no progress). Its peers go on without it; left running, it held
         `settled()` false for ever and the launch never ended. The next _reap sees it die. Only first
-        starts: a re-joined or restored process may run before the version that takes it back in."""
-        fenced = getattr(self.publisher, "fenced", None)
-        for w in fenced() if fenced is not None else ():
+        starts: a re-joined or restored process may run before the version that takes it back in.
+
+        With a schedule file the launcher is the heartbeat (Publisher.silent, heartbeats.py): a worker
+        silent for the timeout is killed, and the next _reap reports its death as any other (before,
+        it stayed alive, its peers timed out waiting on it and were the ones reported)."""
+        running = {w: p.pid for w, p in self.procs.items() if w not in self.failed and p.poll() is None}
+        for w in self.publisher.silent(running):
+            logger.warning("worker %s: no schedule poll for the heartbeat timeout (stopped?); ending its "
+                           "process", list(w))  # fmt: skip
+            self.procs[w].kill()
+            self.procs[w].wait()
+        for w in self.publisher.fenced():
             p = self.procs.get(w)
             first = p is not None and self._started.get(p.pid, (None, 0, False))[2]
             if p is not None and first and p.poll() is None and w not in self.failed:

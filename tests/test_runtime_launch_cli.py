@@ -147,8 +147,10 @@ def test_bad_flags_exit_2_before_anything_starts(
     assert main(["launch", "--job", inputs[0], "--service", "http://127.0.0.1:1", "--out", str(out),
                  "--max-failures", "-1"]) == 2  # fmt: skip
     assert "--max-failures must be at least 0" in capsys.readouterr().err
-    assert main(launch(inputs, out, "--max-failures", "2", "--heartbeat-timeout", "5")) == 2  # --schedules
-    assert "--max-failures and --heartbeat-timeout: only with --service" in capsys.readouterr().err
+    assert main(launch(inputs, out, "--max-failures", "2")) == 2  # --schedules
+    assert "--max-failures: only with --service" in capsys.readouterr().err
+    assert main(launch(inputs, out, "--heartbeat-timeout", "0")) == 2  # the launcher's own, with --schedules
+    assert "--heartbeat-timeout must be above 0" in capsys.readouterr().err
     assert main(["launch", "--job", inputs[0], "--service", "http://127.0.0.1:1", "--out", str(out),
                  "--plan-on-demand"]) == 2  # fmt: skip
     assert "--plan-on-demand goes with --schedules" in capsys.readouterr().err
