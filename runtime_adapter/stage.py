@@ -9,6 +9,7 @@ from (seed, iteration, pipeline, microbatch, stage), the same autocast, and the 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -97,15 +98,8 @@ def check_training(
     function (two reads of a few micro-batches agree, and they have the same shapes and dtypes: the
     stages exchange fixed-shape activations), every stage builds on the meta device and returns an
     nn.Module without running statistics, and the boundary shapes (returned)."""
-    samples = {
-        (0, 0, 0),
-        (0, 0, num_microbatches - 1),
-        (0, 0, 1 % num_microbatches),
-        (0, num_pipelines - 1, 0),
-        (1, 0, 0),  # the next iteration
-    }
     first: tuple[tuple[int, int, int], list[tuple[torch.Size, torch.dtype]]] | None = None
-    for it, d, m in sorted(samples):
+    for it, d, m in data_samples(num_pipelines, num_microbatches):
         try:
             got = read_checked(training, it, d, m)
         except InvalidInputError:
@@ -146,6 +140,33 @@ def check_training(
                 "or a LayerNorm)"
             )
     return infer_shapes(training, num_stages)
+
+
+def data_samples(num_pipelines: int, num_microbatches: int) -> list[tuple[int, int, int]]:
+    """The (iteration, pipeline, micro-batch) keys the start-up checks read."""
+    samples = {
+        (0, 0, 0),
+        (0, 0, num_microbatches - 1),
+        (0, 0, 1 % num_microbatches),
+        (0, num_pipelines - 1, 0),
+        (1, 0, 0),  # the next iteration
+    }
+    return sorted(samples)
+
+
+def data_digest(training: Training, num_pipelines: int, num_microbatches: int) -> int:
+    """A 62-bit digest of the sample micro-batches (shapes, dtypes, bytes): the same in every process
+    whose data function is the same pure function of (iteration, pipeline, micro-batch). The workers
+    compare theirs at every version (worker.py): a data function that differs between processes (an
+    unseeded shuffle at load time, other files on another host) would feed a re-routed micro-batch
+    other data than its own pipeline reads."""
+    h = hashlib.sha256()
+    for key in data_samples(num_pipelines, num_microbatches):
+        for t in training.data(*key):
+            t = t.detach().to("cpu").contiguous()
+            h.update(f"{key} {list(t.shape)} {t.dtype}".encode())
+            h.update(t.flatten().view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(h.digest()[:8], "big") >> 2
 
 
 def _layout(layout: list[tuple[torch.Size, torch.dtype]]) -> str:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from planner.errors import InvalidInputError
 from runtime_adapter import store
 from runtime_adapter.accounting import Accounting, acct_path
 from runtime_adapter.assignment import Assignment
@@ -60,7 +61,7 @@ from runtime_adapter.migration import Migrator
 from runtime_adapter.migration_plan import MigrationError
 from runtime_adapter.rendezvous import connect_groups
 from runtime_adapter.settings import runtime_settings
-from runtime_adapter.stage import StageRunner, check_training
+from runtime_adapter.stage import StageRunner, check_training, data_digest
 from runtime_adapter.worker_options import (
     EXIT_DROPPED,
     EXIT_NEEDS_RESTORE,
@@ -104,6 +105,7 @@ class WorkerProcess:
         activate(device)
         self.wire = wire_device(opts.backend, device)
         shapes = check_training(training, opts.num_stages, opts.num_pipelines, opts.num_microbatches)
+        self.data_digest = data_digest(training, opts.num_pipelines, opts.num_microbatches)
         runner = StageRunner(training, opts.worker[1], opts.num_stages, device, shapes, opts.check_data)
         module = runner.build()
         logger.info("stage %d of %s on %s (wire: %s)", opts.worker[1], opts.entry, device, self.wire)
@@ -251,7 +253,17 @@ class WorkerProcess:
         groups = self._connect(a)
         self.groups.append(groups)
         mine = FRESH if self.fresh else ex.stepped
-        k, settled = allreduce_min(groups, [mine, int(self.migrator.settled(a, self.fresh))])
+        h = self.data_digest
+        k, settled, low, minus_high = allreduce_min(
+            groups, [mine, int(self.migrator.settled(a, self.fresh)), h, -h]
+        )
+        if low != -minus_high:  # every alive worker sees it: all leave with the same one line, exit 2
+            raise InvalidInputError(
+                f"v{a.version}: the alive workers' data functions disagree (their digests of the start-up "
+                "sample micro-batches differ): data must be the same pure function of (iteration, pipeline, "
+                "microbatch) in every process (no unseeded shuffle or draw at load time; the same code and "
+                "files on every host)"
+            )
         if not self.fresh and ex.stepped != k:
             ex.rollback_to(k)
             self._log({"event": "rollback", "to": k, "version": a.version})

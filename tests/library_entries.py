@@ -1,10 +1,11 @@
 """Entry points for tests/test_runtime_library.py: a wrong return type, a data function that is not a
 pure function of (iteration, pipeline, microbatch), micro-batches of varying shapes, a failing entry,
-a stage with batch norm."""
+a stage with batch norm, data that differs between processes."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -89,3 +90,16 @@ def bad_optimizer(**kwargs: Any) -> Training:
 def no_layer_ranges(**kwargs: Any) -> Training:
     """The reference GPT without `layer_ranges`: its stages cannot be re-partitioned."""
     return dataclasses.replace(gpt(**kwargs), layer_ranges=None)
+
+
+def per_process(**kwargs: Any) -> Training:
+    """The reference GPT whose data is shuffled at load time with a seed of its own process: a pure
+    function within a process (every start-up check passes), another one in every process."""
+    base = gpt(**kwargs)
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(os.getpid()))
+
+    def data(iteration: int, pipeline: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, targets = base.data(iteration, pipeline, microbatch)
+        return perm[tokens], perm[targets]
+
+    return dataclasses.replace(base, data=data)

@@ -21,7 +21,7 @@ from runtime_adapter.cli import main as runtime_main
 from runtime_adapter.comm import build_groups
 from runtime_adapter.entry import load_entry
 from runtime_adapter.executor import Executor
-from runtime_adapter.launch import Launcher, LaunchSpec
+from runtime_adapter.launch import Launcher, LaunchSpec, WorkerStartupError
 from runtime_adapter.model import GPTConfig, gpt_training
 from runtime_adapter.reference import relative_error, train_reference
 from runtime_adapter.stage import NondeterministicDataError, StageRunner, check_training, infer_shapes
@@ -236,3 +236,16 @@ def test_float32_sums_stay_within_float32_noise_of_single_process(tmp_path: Path
         relative_error(torch.load(tmp_path / f"final_{d}_{s}.pt"), ref[s]) for d in (0, 1) for s in (0, 1)
     ]
     assert max(errors) < 1e-5, errors
+
+
+def test_a_data_function_that_differs_between_processes_stops_the_launch(tmp_path: Path) -> None:
+    """Before: each process read its own data and every start-up check passed (they run in one
+    process), so re-routed micro-batches trained on other data than their own pipeline's."""
+    job = tiny_job(2, 2)
+    spec = LaunchSpec(job, {}, 3, tmp_path, entry="tests.library_entries:per_process")
+    launcher = Launcher(spec, planner_schedules(job))  # type: ignore[arg-type]
+    launcher.start()
+    with pytest.raises(WorkerStartupError, match="data functions disagree") as got:
+        launcher.wait(timedelta(seconds=120))
+    assert got.value.code == 2
+    assert not any(r["event"] == "step" for w in spec.workers() for r in records(tmp_path, w))
