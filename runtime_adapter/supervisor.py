@@ -12,7 +12,8 @@ Unlike torchrun's agent, a dead worker does not take the others down. Each super
   version older than the restore it already followed is restarted into that restore at once.
   EXIT_DROPPED: the schedule lists it failed although it lived (e.g. a healed partition): restarted
   as a fresh re-joiner and a `rejoin` reported, up to `max_rejoins` times per worker (unless
-  `rejoin_dropped` is off). Anything else is a death: reported at once as a `fail` event with the
+  `rejoin_dropped` is off); a process the supervisor ended because the service failed it counts the
+  same (`_end_fenced`). Anything else is a death: reported at once as a `fail` event with the
   id `agent-<agent id>-fail-<d>.<s>-<pid>` (the same id on every retry through the publisher's
   outbox), and with `keep_standby` its warm standby is activated (a `rejoin`) and a new one started.
 - follows restores: when the publisher shows a restore epoch above the last one followed (the
@@ -84,12 +85,16 @@ class Supervisor(WorkerProcesses):
         # why, pid), until the restore is asked for
         self.lost_why = ""  # the state loss the next restore answers
         self.followed: Restore | None = None  # the newest restore followed
+        self.fenced_pids: set[int] = set()  # processes _end_fenced ended: dropped, not dead
 
     def _end_fenced(self) -> None:
         """Kill the process of a worker the service declared failed while it still runs (hung, or
         stopped with SIGSTOP: no poll, no progress). Its peers go on without it; left running, it held
-        `settled()` false for ever and the launch never ended. The next _reap sees it die. Only first
-        starts: a re-joined or restored process may run before the version that takes it back in.
+        `settled()` false for ever and the launch never ended. The next _reap takes it for dropped,
+        as if it had seen the version that fails it and left (EXIT_DROPPED): it re-joins as a fresh
+        worker (before, it counted as dead: a worker cut off by a partition whose agent saw the
+        version first never re-joined). Only first starts: a re-joined or restored process may run
+        before the version that takes it back in.
 
         With a schedule file the launcher is the heartbeat (Publisher.silent, heartbeats.py): a worker
         silent for the timeout is killed, and the next _reap reports its death as any other (before,
@@ -107,6 +112,7 @@ class Supervisor(WorkerProcesses):
                 logger.warning("worker %s: the service declared it failed; ending its process", list(w))
                 p.kill()
                 p.wait()
+                self.fenced_pids.add(p.pid)
 
     def _reap(self) -> list[tuple[Worker, int]]:
         """Classify the exits since the last tick; the deaths (worker, exit code)."""
@@ -118,6 +124,8 @@ class Supervisor(WorkerProcesses):
             if code == 0:
                 self.finished.add(w)
                 continue
+            if p.pid in self.fenced_pids:  # ended above: it lived, and the service dropped it
+                code = EXIT_DROPPED
             log, offset, first = self._started.get(p.pid, (self.spec.out_dir / "?", 0, False))
             it = last_step(self.acct_path(w), offset)
             # Only a first start can reveal bad configuration: a re-joiner, standby or restored worker

@@ -178,18 +178,24 @@ def test_heartbeat_timeout_fails_a_killed_worker(
 def test_a_hung_worker_the_service_failed_is_ended_and_the_launch_finishes(
     service: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A worker stopped with SIGSTOP (alive, silent): the service's heartbeat fails it and the
-    survivors train on; before, its process kept `settled()` false and the launch never ended."""
+    """A worker stopped with SIGSTOP (alive, silent): the service's heartbeat fails it, the survivors
+    train on, and the launcher ends the stopped process and starts a re-joiner in its place (as for a
+    worker that finds itself failed). Before, its process kept `settled()` false and the launch never
+    ended; then it was ended but counted dead, so that a partitioned worker whose launcher saw
+    its failure first never re-joined."""
     job, n, victim = tiny_job(2, 2), 24, (1, 1)
     monkeypatch.setenv("RECYCLE_POLL_WAIT_S", "30")
     pub, launcher, survivors = heartbeat_launch(service, job, n, victim, tmp_path, 1.5)
-    os.kill(launcher.procs[victim].pid, signal.SIGSTOP)
+    stopped = launcher.procs[victim].pid
+    os.kill(stopped, signal.SIGSTOP)
     codes = launcher.wait(timedelta(seconds=150))
-    assert codes[victim] == -signal.SIGKILL and all(codes[w] == 0 for w in survivors), codes
+    assert all(code == 0 for code in codes.values()), codes
+    assert launcher.procs[victim].pid != stopped and launcher.rejoins[victim] == 1
     end = pub.status()
-    assert end["state"] == "finished" and end["failed"] == [list(victim)], end
+    assert end["state"] == "finished" and end["failed"] == [], end
+    assert [r for r in records(tmp_path, victim) if r["event"] == "rejoin"], "no re-join"
     assert_exactly_once(tmp_path, job, n)
-    assert_matches_reference(tmp_path, job, n, survivors)
+    assert_matches_reference(tmp_path, job, n, [*survivors, victim])
 
 
 @pytest.mark.timeout(200)
