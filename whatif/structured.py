@@ -28,7 +28,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from planner.contract import FailureScenario, JobSpec
-from planner.errors import InvalidInputError
+from planner.errors import InvalidInputError, ScheduleRuleError
 
 REROUTE_HOSTED = ("1f1b", "naive-reroute", "zb-h1")
 SURVIVORS = "1f1b-survivors"
@@ -122,22 +122,26 @@ def baseline_times(
         raise InvalidInputError(f"unknown baseline {name!r}; known: {', '.join(sorted(BASELINES))}")
     case = reduced_case(name, job, scenario)
     if case is None:
-        return _replayed(name, job, scenario, check_memory)
-    # Many failure sets share a reduced case (1f1b-survivors: all with the same number of dropped
-    # pipelines), so those are remembered.
-    small, small_scenario = case
-    return _replayed_reduced(name, small.model_dump_json(), small_scenario.model_dump_json(), check_memory)
+        iteration_ms, cold_ms, breach = _replayed(name, job, scenario)
+    else:  # many failure sets share a reduced case (1f1b-survivors: all with the same number of
+        # dropped pipelines), so those are remembered, with or without the memory check
+        small, small_scenario = case
+        iteration_ms, cold_ms, breach = _replayed_reduced(
+            name, small.model_dump_json(), small_scenario.model_dump_json()
+        )
+    if check_memory and breach is not None:
+        raise ScheduleRuleError("memory", breach)
+    return iteration_ms, cold_ms
 
 
 @lru_cache(maxsize=1024)
-def _replayed_reduced(
-    name: str, job_json: str, scenario_json: str, check_memory: bool
-) -> tuple[float, float]:
+def _replayed_reduced(name: str, job_json: str, scenario_json: str) -> tuple[float, float, str | None]:
     job = JobSpec.model_validate_json(job_json)
-    return _replayed(name, job, FailureScenario.model_validate_json(scenario_json), check_memory)
+    return _replayed(name, job, FailureScenario.model_validate_json(scenario_json))
 
 
-def _replayed(name: str, job: JobSpec, scenario: FailureScenario, check_memory: bool) -> tuple[float, float]:
+def _replayed(name: str, job: JobSpec, scenario: FailureScenario) -> tuple[float, float, str | None]:
+    """(iteration time, cold-start makespan, the validator's memory breach or None)."""
     from planner.baselines import BASELINES
     from planner.simulator.engine import replay_orders
     from planner.simulator.report import check_capacity
@@ -146,12 +150,16 @@ def _replayed(name: str, job: JobSpec, scenario: FailureScenario, check_memory: 
     problem = baseline.build_problem(job, scenario)
     # The orders baseline_schedule would stamp into a document, replayed without building it. The
     # reduced job keeps every kept worker's order, so its peaks too.
-    with_memory = check_memory and any(job.capacity_mib(s) is not None for s in range(job.num_stages))
+    with_memory = any(job.capacity_mib(s) is not None for s in range(job.num_stages))
     result = replay_orders(job, scenario, baseline.build_orders(problem), with_memory=with_memory)
-    check_capacity(job, result.peak_memory_mib)
+    try:
+        check_capacity(job, result.peak_memory_mib)
+        breach = None
+    except ScheduleRuleError as exc:
+        breach = exc.message
     ends = [end for times in result.first_iteration_times.values() for _, end in times]
     # to_schedule stamps end_ms rounded to 6 decimals; the makespan is the largest of those.
-    return result.iteration_time_ms, round(max(ends, default=0.0), 6)
+    return result.iteration_time_ms, round(max(ends, default=0.0), 6), breach
 
 
 @lru_cache(maxsize=64)
