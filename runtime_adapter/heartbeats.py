@@ -61,10 +61,33 @@ class Heartbeat:
         self.path.unlink(missing_ok=True)
 
 
-def silent(directory: Path, running: Mapping[Worker, int], timeout_s: float) -> list[Worker]:
+class Watch:
+    """The launcher's side: `silent` between calls, unless the launcher itself stalled."""
+
+    def __init__(self, directory: Path, timeout_s: float) -> None:
+        self.directory, self.timeout_s = Path(directory), timeout_s
+        self._last: float | None = None
+
+    def silent(self, running: Mapping[Worker, int]) -> list[Worker]:
+        """`silent(...)`, but none right after a gap of more than half the timeout since the last
+        call: the launcher did not run meanwhile (the machine was suspended, the process stopped),
+        and neither did its workers, whose files are as old as that gap; they beat again within
+        HEARTBEAT_EVERY_S."""
+        now = time.time()
+        gap = 0.0 if self._last is None else now - self._last
+        self._last = now
+        if gap > self.timeout_s / 2:
+            logger.warning("the launcher did not run for %.1f s: heartbeats not judged this time", gap)
+            return []
+        return silent(self.directory, running, self.timeout_s, now)
+
+
+def silent(
+    directory: Path, running: Mapping[Worker, int], timeout_s: float, now: float | None = None
+) -> list[Worker]:
     """The workers of `running` (worker -> pid of its running process) whose heartbeat file is older
-    than `timeout_s`; a worker without a file is not tracked."""
-    now = time.time()
+    than `timeout_s` at `now` (default: the wall clock's now); a worker without a file is not tracked."""
+    now = time.time() if now is None else now
     out = []
     for w, pid in running.items():
         try:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from planner.contract import JobSpec, Schedule
 from runtime_adapter.assignment import Worker, parse_restore
-from runtime_adapter.heartbeats import DEFAULT_TIMEOUT_S, silent
+from runtime_adapter.heartbeats import DEFAULT_TIMEOUT_S, Watch
 
 if TYPE_CHECKING:
     from runtime_adapter.service_publisher import ServicePublisher as ServicePublisher
@@ -192,8 +192,8 @@ class FilePublisher:
     ) -> None:
         self.path, self.job, self.schedule_for = Path(path), job, schedule_for
         self.checkpoints = checkpoints
-        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeats = self.path.parent / "heartbeats"  # the workers' files (heartbeats.py)
+        self.watch = Watch(self.heartbeats, heartbeat_timeout_s)
         self.failed: set[Worker] = set()
         self.version = 0
         self.restore: Restore | None = None
@@ -240,7 +240,7 @@ class FilePublisher:
 
     def silent(self, running: Mapping[Worker, int]) -> list[Worker]:
         """See Publisher.silent: heartbeat files older than the timeout."""
-        return silent(self.heartbeats, running, self.heartbeat_timeout_s)
+        return self.watch.silent(running)
 
     def report(
         self, kind: str, workers: Sequence[Worker], reason: str = "", event_id: str | None = None

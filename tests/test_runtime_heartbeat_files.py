@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime_adapter.heartbeats import Heartbeat, heartbeat_path, silent
+from runtime_adapter.heartbeats import Heartbeat, Watch, heartbeat_path, silent
 from runtime_adapter.launch import SCHEDULE_FILE, Launcher, LaunchSpec
 from runtime_adapter.publishers import FilePublisher
 from tests.jobs import tiny_job
@@ -38,6 +38,21 @@ def test_silent_tracks_a_process_from_its_first_beat_until_done(tmp_path: Path) 
     assert heartbeat_path(tmp_path / "beats", me, os.getpid()) == beat.path
     beat.end()
     assert silent(tmp_path / "beats", running, 1.0) == []
+
+
+def test_a_launcher_that_stalled_judges_nobody_on_its_first_check_back(tmp_path: Path) -> None:
+    """A suspended machine (or a stopped launcher) stalls the launcher and its workers alike: on its
+    first check back every file is as old as the stall, and the workers beat again within 0.5 s."""
+    me = (1, 0)
+    beat = Heartbeat(tmp_path, me)
+    beat.beat()
+    old = time.time() - 60
+    os.utime(beat.path, (old, old))
+    watch = Watch(tmp_path, 10.0)
+    assert watch.silent({me: os.getpid()}) == [me]  # the first check: no gap known
+    watch._last = time.time() - 30  # the launcher did not run for 30 s
+    assert watch.silent({me: os.getpid()}) == []
+    assert watch.silent({me: os.getpid()}) == [me]  # still silent at the next check: judged
 
 
 @pytest.mark.timeout(200)
