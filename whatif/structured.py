@@ -144,7 +144,7 @@ def _replayed(name: str, job: JobSpec, scenario: FailureScenario) -> tuple[float
     """(iteration time, cold-start makespan, the validator's memory breach or None)."""
     from planner.baselines import BASELINES
     from planner.simulator.engine import replay_orders
-    from planner.simulator.report import check_capacity
+    from planner.simulator.report import capacity_breach
 
     baseline = BASELINES[name]
     problem = baseline.build_problem(job, scenario)
@@ -152,11 +152,7 @@ def _replayed(name: str, job: JobSpec, scenario: FailureScenario) -> tuple[float
     # reduced job keeps every kept worker's order, so its peaks too.
     with_memory = any(job.capacity_mib(s) is not None for s in range(job.num_stages))
     result = replay_orders(job, scenario, baseline.build_orders(problem), with_memory=with_memory)
-    try:
-        check_capacity(job, result.peak_memory_mib)
-        breach = None
-    except ScheduleRuleError as exc:
-        breach = exc.message
+    breach = capacity_breach(job, result.peak_memory_mib)
     ends = [end for times in result.first_iteration_times.values() for _, end in times]
     # to_schedule stamps end_ms rounded to 6 decimals; the makespan is the largest of those.
     return result.iteration_time_ms, round(max(ends, default=0.0), 6), breach

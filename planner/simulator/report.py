@@ -60,16 +60,23 @@ class ValidationReport:
         }
 
 
-def check_capacity(job: JobSpec, peaks: dict[WorkerKey, float]) -> None:
-    """Raise ScheduleRuleError("memory") naming the first worker (by pipeline, stage) whose peak is
-    over its stage's capacity."""
+def capacity_breach(job: JobSpec, peaks: dict[WorkerKey, float]) -> str | None:
+    """What the memory rule says of the first worker (by pipeline, stage) whose peak is over its
+    stage's capacity; None when every peak fits."""
     for (d, s), peak in sorted(peaks.items()):
         cap = job.capacity_mib(s)
         if cap is not None and peak > cap * (1 + MEMORY_TOLERANCE) + MEMORY_TOLERANCE:
-            raise ScheduleRuleError(
-                "memory",
-                f"worker [{d}, {s}] peaks at {peak:.3f} MiB, over the capacity of {cap:.3f} MiB at stage {s}",
+            return (
+                f"worker [{d}, {s}] peaks at {peak:.3f} MiB, over the capacity of {cap:.3f} MiB at stage {s}"
             )
+    return None
+
+
+def check_capacity(job: JobSpec, peaks: dict[WorkerKey, float]) -> None:
+    """Raise ScheduleRuleError("memory") with `capacity_breach`'s words when a peak is over."""
+    breach = capacity_breach(job, peaks)
+    if breach is not None:
+        raise ScheduleRuleError("memory", breach)
 
 
 def validate(
