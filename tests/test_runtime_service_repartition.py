@@ -4,10 +4,10 @@
 The reference GPT as D=2 x P=2 (4 blocks: [0, 2) and [2, 4)), CPU and gloo. Worker [1, 0] is
 SIGKILLed once [0, 0] stepped twice; the launcher posts `fail`; the service's next version re-partitions
 (block 1 moves from stage 0, which kept one worker, to stage 1: [0, 1) / [1, 4)) and every survivor's
-view carries it; the survivors migrate and train on. [1, 0] re-joins from a warm standby once they
-stepped twice under it; the failure-free plan has the job's own split, so block 1 moves back. Losses
-and final parameters equal single-process training (relative error < 1e-5), every micro-batch counted
-once. Plus `recycle launch --repartition`'s checks before start (one line, exit 2).
+view carries it; the survivors migrate and train on. [1, 0] re-joins from a warm standby once each
+of them stepped twice since it migrated; the failure-free plan has the job's own split, so block 1
+moves back. Losses and final parameters equal single-process training (relative error < 1e-5), every
+micro-batch counted once. Plus `recycle launch --repartition`'s checks before start (one line, exit 2).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from tests.test_runtime_process import (
 from tests.test_runtime_service import SERVICE_ENV, stop
 
 VICTIM: Worker = (1, 0)
+SURVIVORS: list[Worker] = [(0, 0), (0, 1), (1, 1)]
 
 
 def migrations(out: Path, w: Worker) -> list[tuple[int, list[int], list[int]]]:
@@ -58,13 +59,17 @@ def test_service_moves_layers_off_a_short_stage_and_back(tmp_path: Path) -> None
     launcher = Launcher(spec, publisher=pub)
     marks: dict[str, int] = {}
 
+    def trained_moved(w: Worker) -> bool:  # two steps since w migrated (a stage-1 worker steps later)
+        moved = migrations(out, w)
+        return bool(moved) and steps(out, w, moved[0][0]) >= 2
+
     def on_tick(lr: Launcher) -> None:
         if "killed" not in marks and steps(out, (0, 0), 1) >= 2:
             lr.kill(VICTIM)  # kill -9
             marks["killed"] = 1
         elif "fail" not in marks and VICTIM in lr.failed and pub.version >= 2:
             marks["fail"] = pub.version
-        elif "rejoin" not in marks and "fail" in marks and steps(out, (0, 0), marks["fail"]) >= 2:
+        elif "rejoin" not in marks and "fail" in marks and all(trained_moved(w) for w in SURVIVORS):
             lr.activate(VICTIM)
             marks["rejoin"] = pub.version
 

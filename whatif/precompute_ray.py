@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 RETRIES = 3  # resubmissions of one scenario lost with its worker or node
 WINDOW_REFRESH_S = 10.0  # how often the number of tasks kept in flight follows the cluster's CPUs
 CONNECT_TIMEOUT_S = 5.0
+CLIENT_INIT_RETRIES = 1  # a Ray Client connection whose server on the head failed to start: once more
 FLAG = "--ray/RECYCLE_RAY_ADDRESS"
 
 
@@ -125,18 +126,30 @@ def connect(address: str, flag: str = FLAG, trial: bool = True) -> None:
     """Connect this process to the Ray cluster at `address` (nothing to do when already connected),
     after a trial connection in a child process (`trial_connect`; `trial` False: the caller is such a
     child already, the service's Ray driver). Not for a `ray://` address: each Ray Client connection
-    starts a server process on the head, and a trial one doubled that (past 30 s under load)."""
+    starts a server process on the head, and a trial one doubled that (past 30 s under load). That
+    server may still miss the head's deadline (RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S, 30 s) on a
+    loaded head: Ray Client then fails with "Initialization failure from server" and has disconnected,
+    so the connection is tried again, CLIENT_INIT_RETRIES times, with a warning."""
     ray = _ray(flag)
     if ray.is_initialized():
         return
     probe(address, flag)
     if trial and not address.startswith("ray://"):  # Ray Client: a server per connection, slow to start
         trial_connect(address, flag)
-    try:
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, namespace="recycle")
-    except Exception as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise InvalidInputError(f"{flag} {address}: cannot connect: {first}") from None
+    for attempt in range(1 + CLIENT_INIT_RETRIES * address.startswith("ray://")):
+        try:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, namespace="recycle")
+            return
+        except ConnectionAbortedError as exc:  # Ray Client: the head's server for us did not start in time
+            if attempt == CLIENT_INIT_RETRIES * address.startswith("ray://"):
+                raise InvalidInputError(f"{flag} {address}: cannot connect: {_first_line(exc)}") from None
+            log.warning("%s %s: %s; connecting again", flag, address, _first_line(exc))
+        except Exception as exc:
+            raise InvalidInputError(f"{flag} {address}: cannot connect: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def lost_errors() -> tuple[type[BaseException], ...]:
