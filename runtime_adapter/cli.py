@@ -128,7 +128,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
     resume_at = parse_resume_at(args.resume_at, args.resume, args.checkpoint_dir)
     check_output_dir(args.out, "--out")
     Path(args.out).mkdir(parents=True, exist_ok=True)  # a standalone worker: its accounting goes here
-    install_log_prefix(worker)
     if args.exit_with_parent:  # a worker whose launcher or agent is gone has no supervisor: it ends
         from planner.processes import exit_with_parent
 
@@ -182,7 +181,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
             job.num_stages,
             job.num_microbatches,
         )
-    process = WorkerProcess(opts, source)  # bad input (entry, device, split, data) raises here
+    remove_prefix = install_log_prefix(worker)
+    try:
+        process = WorkerProcess(opts, source)  # bad input (entry, device, split, data) raises here
+    except BaseException:
+        remove_prefix()  # (the process may go on: `main` run in-process)
+        raise
     try:
         code = process.run()
     except InvalidInputError as e:  # found while training (--check-data): one line, exit 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -78,13 +79,26 @@ def fault_hook(fail_at: tuple[int, str] | None) -> Any:
     return hook
 
 
-def install_log_prefix(worker: Worker) -> None:
-    """Prefix every log line of this process with `[d,s v=<version> it=<iteration>]`."""
+def install_log_prefix(worker: Worker) -> Callable[[], None]:
+    """Prefix every log line of this process with `[d,s v=<version> it=<iteration>]` (once per record,
+    whichever handlers see it); returns the function that takes the prefix off again (for a caller
+    that goes on in this process: `recycle worker` run in-process on bad input)."""
 
     class _Prefix(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
-            record.msg = f"[{worker[0]},{worker[1]} v={LOG_CONTEXT['v']} it={LOG_CONTEXT['it']}] {record.msg}"
+            if not getattr(record, "recycle_prefixed", False):
+                record.msg = (
+                    f"[{worker[0]},{worker[1]} v={LOG_CONTEXT['v']} it={LOG_CONTEXT['it']}] {record.msg}"
+                )
+                record.recycle_prefixed = True
             return True
 
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_Prefix())
+    prefix, handlers = _Prefix(), list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.addFilter(prefix)
+
+    def remove() -> None:
+        for handler in handlers:
+            handler.removeFilter(prefix)
+
+    return remove

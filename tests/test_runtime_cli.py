@@ -124,3 +124,19 @@ def test_a_worker_given_no_schedule_in_time_says_why_in_one_line(job: str, tmp_p
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert "Traceback" not in run.stderr and len(errors) == 1, run.stderr
     assert "within 1 s (RECYCLE_VERSION_WAIT_S)" in errors[0] and "s.json: missing" in errors[0], run.stderr
+
+
+def test_the_log_prefix_is_once_per_record_and_comes_off(caplog: pytest.LogCaptureFixture) -> None:
+    """`recycle worker` run in-process on bad input (the tests here) used to leave its prefix filter on
+    the root handlers, one more per call: later log lines of the process read `[0,0 v=0 it=0]` 18 times."""
+    import logging
+
+    from runtime_adapter.worker_options import install_log_prefix
+
+    with caplog.at_level(logging.WARNING):
+        removes = [install_log_prefix((1, 2)), install_log_prefix((1, 2))]
+        logging.getLogger("recycle.test").warning("hello %d", 1)
+        for remove in removes:
+            remove()
+        logging.getLogger("recycle.test").warning("after")
+    assert [r.getMessage() for r in caplog.records] == ["[1,2 v=0 it=0] hello 1", "after"]
