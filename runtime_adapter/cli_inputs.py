@@ -155,6 +155,55 @@ def check_fresh_out(out: Path, checkpoints: str | os.PathLike[str], checkpointin
         )
 
 
+def check_resumable(out: Path, job: JobSpec, service: bool, checkpoint_every: int) -> None:
+    """`recycle launch --resume`: --out holds an earlier launch of this very job with --schedules (its
+    job.json and schedule file), none of its workers still runs, and checkpointing is on."""
+    if service:
+        raise InvalidInputError(
+            "--resume goes with --schedules (a job of the planner service restores from its own record: "
+            "restore_policy auto)"
+        )
+    if checkpoint_every <= 0:
+        raise InvalidInputError("--resume needs --checkpoint-every N, as the earlier launch had: it goes on "
+                                "from the newest complete checkpoint")  # fmt: skip
+    try:
+        earlier = JobSpec.model_validate_json((out / "job.json").read_text())
+    except (OSError, ValueError):
+        raise InvalidInputError(f"--resume: --out {out} holds no launch (no readable job.json)") from None
+    if earlier != job:
+        raise InvalidInputError(f"--resume: --out {out} holds a launch of another job ({earlier.name!r}, "
+                                "or the same name with other figures): give that job's --job")  # fmt: skip
+    if not (out / "schedule.json").is_file():
+        raise InvalidInputError(f"--resume: --out {out} has no schedule.json (not a launch with --schedules)")
+    for pid_file in sorted(out.glob("worker_*_*.pid")):
+        pid = read_pid(pid_file)
+        if pid is not None and runs_in(pid, out):
+            worker = pid_file.stem.removeprefix("worker_").replace("_", ", ")
+            raise InvalidInputError(f"--resume: worker [{worker}] of the launch in {out} still runs "
+                                    f"(pid {pid}): stop that launch first")  # fmt: skip
+
+
+def read_pid(path: Path) -> int | None:
+    """The process id in a pid file, None if unreadable."""
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def runs_in(pid: int, out: Path) -> bool:
+    """Whether process `pid` is alive and a worker writing to `out`: its command line has `worker` and
+    `--out` naming that directory (relative to its own working directory); a reused pid is some
+    other process."""
+    try:
+        argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return False
+    outs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--out"]
+    return "worker" in argv and any((Path(cwd) / o).resolve() == out.resolve() for o in outs)
+
+
 def resolve_checkpoint_every(value: int | None) -> int:
     """--checkpoint-every as given, else RECYCLE_CHECKPOINT_EVERY (runtime settings), else 0."""
     return runtime_settings().checkpoint_every if value is None else value

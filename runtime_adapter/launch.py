@@ -58,10 +58,12 @@ class Launcher(Supervisor):
         publisher: Publisher | None = None,
         max_restores: int = 3,
         report_failures: bool = True,
+        resume: bool = False,
     ) -> None:
         """`publisher` (default: a FilePublisher over `schedule_for`, which publishes restores when
         checkpointing is on) gets every failure-set change; `report_failures=False` leaves deaths to
-        the service's heartbeat timeout."""
+        the service's heartbeat timeout. `resume`: the publisher goes on from an earlier launch of
+        this job (FilePublisher.resume): its first version is a restore, which every worker starts in."""
         if publisher is None:
             if schedule_for is None:
                 raise ValueError("give a publisher or a schedule_for")
@@ -70,6 +72,7 @@ class Launcher(Supervisor):
         super().__init__(spec, publisher, spec.workers(), report_failures=report_failures,
                          max_restores=max_restores, restore_wait_s=RESTORE_WAIT_S)  # fmt: skip
         self.store: dist.TCPStore | None = None  # the store it hosts (None with an external one)
+        self.resume = resume
 
     @property
     def schedule_path(self) -> Path:
@@ -78,7 +81,7 @@ class Launcher(Supervisor):
 
     def start(self) -> None:
         """Host the store (unless the spec names an external one), publish version 1 and start every
-        worker."""
+        worker (resuming: publish the restore version and start every worker in it)."""
         self.spec.out_dir.mkdir(parents=True, exist_ok=True)
         (self.spec.out_dir / "job.json").write_text(self.spec.job.model_dump_json())
         timeout = runtime_settings().group_timeout
@@ -101,7 +104,14 @@ class Launcher(Supervisor):
                 raise LaunchError(f"cannot host the store on 127.0.0.1:{self.spec.store_port}: {e}") from e
             self.store_client = StoreClient(("127.0.0.1", self.store.port), timeout, server=self.store)
         self.publisher.start()
-        self.spawn_all()
+        if not self.resume:
+            self.spawn_all()
+            return
+        restore = self._new_restore()
+        if restore is None:
+            raise LaunchError("resuming: the publisher published no restore version")
+        self.lost_why = f"resumed the launch in {self.spec.out_dir}"  # the restore's reason
+        self._follow(restore)  # every worker starts in the restore epoch
 
     def on_lost(self, stages: list[int]) -> None:
         """Without checkpoints a lost stage ends the launch."""

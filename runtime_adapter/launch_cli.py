@@ -32,6 +32,7 @@ from runtime_adapter.cli_inputs import (
     add_model_args,
     check_fresh_out,
     check_min,
+    check_resumable,
     check_store_port,
     parse_kwargs,
     parse_store,
@@ -107,7 +108,16 @@ def add_launch_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--iterations", type=int, default=10, help="iterations to train (default 10)")
     add_model_args(p)
     p.add_argument(
-        "--out", required=True, help="new directory for logs, accounting, loss.csv, final parameters"
+        "--out",
+        required=True,
+        help="new directory for logs, accounting, loss.csv, final parameters (with --resume: the earlier "
+        "launch's)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on with the earlier launch of this job in --out (its launcher was killed or stopped) "
+        "from its newest complete checkpoint: the same --job, --schedules and checkpointing as then",
     )
     p.add_argument(
         "--backend",
@@ -332,7 +342,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
     """Check everything, start the job, supervise it, print the training and a summary."""
     from runtime_adapter.launch import Launcher, LaunchError, LaunchSpec, WorkerStartupError
     from runtime_adapter.progress import JobMonitor
-    from runtime_adapter.publishers import PublisherError, RegistrationRefused, ServicePublisher
+    from runtime_adapter.publishers import (
+        FilePublisher,
+        PublisherError,
+        RegistrationRefused,
+        ServicePublisher,
+    )
     from runtime_adapter.summary import summarize
 
     def fail(msg: str, code: int) -> int:
@@ -348,7 +363,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
                       checkpoint_dir=ckpt_dir, pace_ms=args.pace_ms, store_port=args.store_port,
                       store=parse_store(args.store) if args.store else None)  # fmt: skip
     local = isinstance(spec.checkpoints, Path)  # a URL's earlier checkpoints are not looked for here
-    check_fresh_out(spec.out_dir, Path(spec.checkpoints), spec.checkpoint_every > 0 and local)
+    if args.resume:
+        check_resumable(spec.out_dir, job, bool(args.service), spec.checkpoint_every)
+    else:
+        check_fresh_out(spec.out_dir, Path(spec.checkpoints), spec.checkpoint_every > 0 and local)
     if args.dry_run and args.schedules and args.plan_on_demand:  # a dry run neither plans nor writes
         print(f"schedules: {args.schedules} (planned on demand when the job runs)")
         print(spec.dry_run())
@@ -360,8 +378,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
         placeholders = ["--service", args.service, "--job-id", "<job id>", "--token", "<worker token>"]
         print(spec.dry_run(source_args=placeholders if args.service else None))
         return 0
+    if args.resume:
+        assert isinstance(publisher, FilePublisher)  # check_resumable: --schedules
+        publisher.resume()
     _print_outputs(spec)
-    launcher = Launcher(spec, publisher=publisher)
+    launcher = Launcher(spec, publisher=publisher, resume=args.resume)
     monitor = JobMonitor(spec.out_dir, job.num_pipelines, job.num_stages, job.num_microbatches)
     reporter = _Reporter(monitor, spec, args.print_every)
     code = 0

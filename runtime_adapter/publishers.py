@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from planner.contract import JobSpec, Schedule
+from planner.errors import InvalidInputError
 from runtime_adapter.assignment import Worker, parse_restore
 from runtime_adapter.heartbeats import DEFAULT_TIMEOUT_S, Watch
 
@@ -198,6 +199,7 @@ class FilePublisher:
         self.version = 0
         self.restore: Restore | None = None
         self.joined: dict[str, int] = {}  # the last published `joined_at`
+        self._resuming = False
 
     def _publish(self, restore: bool = False) -> int:
         # The schedule first: a failure set without a plan raises before any version is counted (the
@@ -226,9 +228,29 @@ class FilePublisher:
         logger.warning("restore epoch %d from %s", epoch, "scratch" if k is None else f"iteration {k}")
         return self._publish(restore=True)
 
+    def resume(self) -> None:
+        """Go on from the schedule file an earlier launcher of this job left (killed, or stopped):
+        `start` then publishes a restore version (its restore epoch + 1, from the newest complete
+        checkpoint; the initial parameters without one) numbered after the file's, so everything the
+        earlier processes wrote is of an older version. Needs the checkpoint directory; an unreadable
+        file is an InvalidInputError."""
+        assert self.checkpoints is not None, "resume needs the checkpoint directory"
+        try:
+            doc = json.loads(self.path.read_text())
+            version = doc["version"]
+            restore = Restore.from_envelope(doc)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise InvalidInputError(f"--resume: {self.path} is not a launch's schedule file ({e})") from None
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise InvalidInputError(f"--resume: {self.path}: version {version!r} is not a version number")
+        self.version, self.restore, self._resuming = version, restore, True
+
     def start(self) -> None:
-        """See Publisher.start."""
-        self._publish()
+        """See Publisher.start (after `resume`: the restore version)."""
+        if self._resuming:
+            self._publish_restore()
+        else:
+            self._publish()
 
     def worker_args(self) -> list[str]:
         """See Publisher.worker_args."""

@@ -261,7 +261,9 @@ class Supervisor(WorkerProcesses):
                 down.append(w)
         start = "scratch" if restore.iteration is None else f"iteration {restore.iteration}"
         logger.error("%s: restore epoch %d from %s, restarting %s", why, restore.epoch, start, down)
-        self._record("restore", None, checkpoint=restore.iteration, why=why, restarted=tuple(down))
+        # (the version before the restore's first: the newest one, the restore's, is already out)
+        before = restore.version - 1 if restore.version > 0 else None
+        self._record("restore", None, before, checkpoint=restore.iteration, why=why, restarted=tuple(down))
         for w in down:
             self.failed.discard(w)
             self.waiting.discard(w)

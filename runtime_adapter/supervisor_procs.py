@@ -122,10 +122,13 @@ class WorkerProcesses:
         self.procs[w] = proc
         (self.spec.out_dir / f"worker_{w[0]}_{w[1]}.pid").write_text(f"{proc.pid}\n")
 
-    def _record(self, kind: str, w: Worker | None, **detail: object) -> None:
+    def _record(
+        self, kind: str, w: Worker | None, version_before: int | None = None, **detail: object
+    ) -> None:
         now = time.monotonic()
         self.events.append((now, kind, w if w is not None else (-1, -1)))
-        self.history.append(LaunchEvent(now, kind, w, self.version, **detail))  # type: ignore[arg-type]
+        before = self.version if version_before is None else version_before
+        self.history.append(LaunchEvent(now, kind, w, before, **detail))  # type: ignore[arg-type]
 
     def add_standby(self, w: Worker, fail_at: tuple[int, str] | None = None) -> None:
         """Start a warm replacement for `w` now (import, store connection); `activate` makes it join.
