@@ -136,12 +136,13 @@ def connect(address: str, flag: str = FLAG, trial: bool = True) -> None:
     probe(address, flag)
     if trial and not address.startswith("ray://"):  # Ray Client: a server per connection, slow to start
         trial_connect(address, flag)
-    for attempt in range(1 + CLIENT_INIT_RETRIES * address.startswith("ray://")):
+    retries = CLIENT_INIT_RETRIES if address.startswith("ray://") else 0
+    for attempt in range(retries + 1):
         try:
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, namespace="recycle")
             return
         except ConnectionAbortedError as exc:  # Ray Client: the head's server for us did not start in time
-            if attempt == CLIENT_INIT_RETRIES * address.startswith("ray://"):
+            if attempt == retries:
                 raise InvalidInputError(f"{flag} {address}: cannot connect: {_first_line(exc)}") from None
             log.warning("%s %s: %s; connecting again", flag, address, _first_line(exc))
         except Exception as exc:
