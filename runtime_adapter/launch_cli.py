@@ -341,7 +341,7 @@ def _plot(spec: LaunchSpec, monitor: JobMonitor, launcher: Launcher) -> None:
 def cmd_launch(args: argparse.Namespace) -> int:
     """Check everything, start the job, supervise it, print the training and a summary."""
     from runtime_adapter.launch import Launcher, LaunchError, LaunchSpec, WorkerStartupError
-    from runtime_adapter.progress import JobMonitor
+    from runtime_adapter.progress import LOSS_CSV, JobMonitor
     from runtime_adapter.publishers import (
         FilePublisher,
         PublisherError,
@@ -381,6 +381,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.resume:
         assert isinstance(publisher, FilePublisher)  # check_resumable: --schedules
         publisher.resume()
+        # The monitor reads every accounting record from the start, the earlier launch's too, and
+        # writes each iteration's loss once: a loss.csv left by the earlier launcher would repeat them.
+        (spec.out_dir / LOSS_CSV).unlink(missing_ok=True)
     _print_outputs(spec)
     launcher = Launcher(spec, publisher=publisher, resume=args.resume)
     monitor = JobMonitor(spec.out_dir, job.num_pipelines, job.num_stages, job.num_microbatches)

@@ -73,6 +73,8 @@ def test_a_killed_launch_resumes_from_its_checkpoint_and_ends_as_if_never_killed
         assert version == before + 1, (w, resumed)  # after every version of the first launch
         redone = [r["it"] for r in read_records(out, w) if r["event"] == "step" and r["version"] > before]
         assert redone == list(range(k, N)), (w, k, redone)  # from the checkpoint on, once each
+    rows = (out / "loss.csv").read_text().splitlines()[1:]
+    assert [int(r.split(",")[0]) for r in rows] == list(range(N)), rows  # each iteration once
     assert_exactly_once(out, JOB, N)
     assert_losses_match(out, JOB, N)
     assert_matches_reference(out, JOB, N, WORKERS)
