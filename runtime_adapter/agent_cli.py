@@ -231,10 +231,11 @@ def _printer(job_id: str) -> Any:
 def cmd_agent(args: argparse.Namespace) -> int:
     """Check everything, start this host's workers, supervise them until they are done."""
     from runtime_adapter.agent import Agent
-    from runtime_adapter.launch_cli import _check_training, checkpoint_location, stop_on_signals
+    from runtime_adapter.launch_cli import _check_training, checkpoint_location
     from runtime_adapter.launch_spec import LaunchSpec
     from runtime_adapter.publishers import PublisherError
     from runtime_adapter.service_publisher import ServicePublisher
+    from runtime_adapter.stop_signals import stop_on_signals
     from runtime_adapter.supervisor import LaunchError, WorkerStartupError
 
     def fail(msg: str, code: int) -> int:

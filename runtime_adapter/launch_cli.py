@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from planner.cli_io import finite_float
@@ -311,17 +309,6 @@ def _finish(publisher: Publisher) -> None:
         logger.warning("could not close the job with its publisher: %s", e)
 
 
-def _on_signal(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)
-
-
-def stop_on_signals() -> None:
-    """SIGTERM and SIGHUP (kill, Slurm, Kubernetes, a closed terminal) raise SystemExit(128 + signal),
-    so that the launcher or agent stops every worker it started before it exits."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _on_signal)
-
-
 def _plot(spec: LaunchSpec, monitor: JobMonitor, launcher: Launcher) -> None:
     """<out>/loss.png: the loss per iteration with every failure, re-join and restore marked (best
     effort: a plotting error must not change the launch's exit code)."""
@@ -348,6 +335,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         RegistrationRefused,
         ServicePublisher,
     )
+    from runtime_adapter.stop_signals import stop_on_signals
     from runtime_adapter.summary import summarize
 
     def fail(msg: str, code: int) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 from runtime_adapter.assignment import Worker
 from runtime_adapter.launch_spec import LaunchSpec
 from runtime_adapter.publishers import Publisher, Restore
+from runtime_adapter.stop_signals import WorkerPopen
 from runtime_adapter.store import StoreClient
 from runtime_adapter.summary import LaunchEvent
 
@@ -106,7 +107,7 @@ class WorkerProcesses:
         )  # fmt: skip
         acct = self.acct_path(w)
         offset = acct.stat().st_size if acct.exists() else 0
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = WorkerPopen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         first = not rejoin and restore is None and standby_key is None
         self._started[proc.pid] = (self.spec.out_dir / f"{name}.log", offset, first)
