@@ -125,6 +125,9 @@ def _key(rt: JobRuntime, scenario: FailureScenario) -> str:
 
 
 MIN_CHECK_S = 0.01  # the heartbeat loop never wakes more often than this
+STALL_S = 1.0  # the heartbeat loop's sleep overran one of its steps by more: the service stalled
+STALL_STEP_S = 0.25  # the loop sleeps in steps this long to notice a stall in the middle of a sleep
+STALL_RECHECK_S = 0.5  # after a check that judged nobody (a stall), the next one comes this soon
 CHECK_SLACK_S = 0.005  # wake this long after a deadline, so that the silence is past the timeout
 
 
@@ -169,6 +172,17 @@ def silent_workers(rt: JobRuntime, now: float, default_timeout_s: float) -> list
     return scan_heartbeats(rt, now, default_timeout_s)[0]
 
 
+async def _sleep_watching(delay: float) -> float:
+    """Sleep `delay` s in steps of STALL_STEP_S; the longest time a step overran (a stall)."""
+    end, stalled = time.monotonic() + delay, 0.0
+    while (left := end - time.monotonic()) > 0:
+        step = min(STALL_STEP_S, left)
+        start = time.monotonic()
+        await asyncio.sleep(step)
+        stalled = max(stalled, time.monotonic() - start - step)
+    return stalled
+
+
 async def heartbeat_loop(service: JobService) -> None:
     """Declare silent workers failed through the ordinary event path.
 
@@ -176,15 +190,24 @@ async def heartbeat_loop(service: JobService) -> None:
     timeout before then: a worker is declared failed right after `timeout` s without a request. On a
     store shared by replicas, poll arrivals are published to the store on every check and the other
     replicas' are adopted (every replica watches every worker, whichever replica it polls), and a
-    worker another replica saw recently is not failed (api/job_sync.py's SharedHeartbeats)."""
+    worker another replica saw recently is not failed (api/job_sync.py's SharedHeartbeats). After the
+    service itself did not run for over STALL_S (the process was stopped, the machine suspended or
+    overloaded), a check judges nobody and publishes nothing: the polls that arrived meanwhile wait
+    on sockets unread, and their workers would be failed for the service's own silence (here, or on
+    another replica that takes the publication for "seen nothing up to now"); the next check
+    follows shortly."""
     delay = service.settings.heartbeat_check_s
     shared = SharedHeartbeats(service) if service.coord.shared else None
     while True:
-        await asyncio.sleep(delay)
+        stalled = await _sleep_watching(delay)
         if service.stopping:
             return
         now = time.monotonic()
         delay = service.settings.heartbeat_check_s
+        if stalled > STALL_S:  # neither judged nor published: the polls that waited are read first
+            log.warning("the service did not run for %.1f s: heartbeats not judged this time", stalled)
+            delay = min(delay, STALL_RECHECK_S)
+            continue
         if shared is not None:
             await shared.sync(now)
         for rt in list(service.jobs.values()):

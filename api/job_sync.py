@@ -79,8 +79,9 @@ class SharedHeartbeats:
     replica publishes the arrivals it saw (wall-clock, to the store's `heartbeats` table) and adopts
     those the other replicas published: it watches every worker of every job that polled any replica,
     so a worker whose replica died is still failed when it goes silent. Before declaring a worker
-    failed, it asks whether another replica saw it within the timeout (and the job service asks once
-    more under the job's lock: api/jobs.py)."""
+    failed, it asks whether another replica saw it within the timeout, counted back from the earliest
+    moment up to which every other live replica has published (and the job service asks once more
+    under the job's lock: api/jobs.py)."""
 
     def __init__(self, service: JobService) -> None:
         self.service = service
@@ -100,7 +101,7 @@ class SharedHeartbeats:
         rows = [(job_id, w[0], w[1], wall - (now - seen)) for (job_id, w), seen in fresh.items()]
         since = self._read_until - ADOPT_MARGIN_S
         try:
-            seen_rows = await asyncio.to_thread(self._exchange, rows, since)
+            seen_rows = await asyncio.to_thread(self._exchange, rows, wall, since)
         except StoreUnavailableError as exc:
             log.warning("heartbeats not shared: %s", exc)
             return
@@ -130,25 +131,29 @@ class SharedHeartbeats:
             del self._published[k]
 
     def _exchange(
-        self, rows: list[tuple[str, int, int, float]], since: float
+        self, rows: list[tuple[str, int, int, float]], wall: float, since: float
     ) -> list[tuple[str, int, int, float]]:
         coord = self.service.coord
-        coord.publish_seen(rows)
+        coord.publish_seen(rows, wall, self.service.settings.heartbeat_check_s)
         return coord.seen_after(since)
 
     def still_silent(
         self, rt: JobRuntime, silent: list[tuple[int, int]], now: float
     ) -> list[tuple[int, int]]:
-        """The workers of `silent` no replica saw within the job's timeout; the others count as seen
-        at the arrival another replica published. Empty while the store is unreachable (no event
-        could be committed anyway)."""
+        """The workers of `silent` no replica saw within the job's timeout (counted back from the
+        moment every other live replica has published up to: `seen_within`); the others count as
+        seen at the arrival another replica published. Empty while the store is unreachable (no
+        event could be committed anyway)."""
         timeout = rt.record.heartbeat_timeout_s or self.service.settings.heartbeat_timeout_s
         wall = time.time()
         try:
-            seen = self.service.coord.seen_since(rt.record.id, silent, wall - timeout)
+            seen = self.service.coord.seen_within(rt.record.id, silent, timeout)
         except StoreUnavailableError:
             return []
+        # Seen: judged again when its silence reaches the timeout once more, but no sooner than the
+        # next check (while a late replica holds the moment back, the arrival found may be that old).
+        again = now - timeout + self.service.settings.heartbeat_check_s
         for w, t in seen.items():
-            rt.last_seen[w] = now - (wall - t)
+            rt.last_seen[w] = max(now - (wall - t), again)
             self._published[(rt.record.id, w)] = rt.last_seen[w]
         return [w for w in silent if w not in seen]

@@ -236,8 +236,8 @@ class JobService(JobEvents):
                     if (w[0], w[1]) not in rt.done | failed and (w[0], w[1]) not in rt.last_seen
                 ]
                 if silent and self.coord.shared:  # the claim: under the job's lock, seen anywhere?
-                    since = time.time() - self.heartbeat_timeout(rt)
-                    seen = self.coord.seen_since(job_id, [(w[0], w[1]) for w in silent], since)
+                    ws = [(w[0], w[1]) for w in silent]
+                    seen = self.coord.seen_within(job_id, ws, self.heartbeat_timeout(rt))
                     silent = [w for w in silent if (w[0], w[1]) not in seen]
                 if not silent:
                     return self._result(rt, event.event_id, rt.version, changed=False), []

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 Worker = tuple[int, int]
+Seen = tuple[str, int, int, float]  # a poll arrival: job id, d, s, wall-clock time
 OnChange = Callable[[str, int], None]  # (job id, version) committed by some replica
 OnResync = Callable[[], None]  # notifications may have been lost (reconnected): re-read everything
 
@@ -31,8 +32,8 @@ class Coordinator(Protocol):
     def job_lock(self, job_id: str) -> contextlib.AbstractAsyncContextManager[None]: ...
     def try_claim(self, key: str) -> bool: ...
     def release_claim(self, key: str) -> None: ...
-    def publish_seen(self, rows: list[tuple[str, int, int, float]]) -> None: ...
-    def seen_since(self, job_id: str, workers: list[Worker], since: float) -> dict[Worker, float]: ...
+    def publish_seen(self, rows: list[Seen], synced_at: float, check_s: float) -> None: ...
+    def seen_within(self, job_id: str, workers: list[Worker], timeout_s: float) -> dict[Worker, float]: ...
     def seen_after(self, since: float) -> list[tuple[str, int, int, float]]: ...
 
 
@@ -57,10 +58,10 @@ class LocalCoordinator:
     def release_claim(self, key: str) -> None:
         pass
 
-    def publish_seen(self, rows: list[tuple[str, int, int, float]]) -> None:
+    def publish_seen(self, rows: list[Seen], synced_at: float, check_s: float) -> None:
         pass
 
-    def seen_since(self, job_id: str, workers: list[Worker], since: float) -> dict[Worker, float]:
+    def seen_within(self, job_id: str, workers: list[Worker], timeout_s: float) -> dict[Worker, float]:
         return {}
 
     def seen_after(self, since: float) -> list[tuple[str, int, int, float]]:

@@ -15,6 +15,10 @@
   reads them again before declaring a worker failed (and once more under the job's lock, where the
   first replica's `fail` is seen by the others: one failure), so a worker that polls another replica
   is not failed. The store drops the rows of failed workers and finished jobs (api/store_pg.py).
+  With its arrivals each replica writes when it wrote them (`replica_sync`); a worker counts as
+  silent only as of the earliest such time of the other live replicas (that wrote within three of
+  their checks), so a replica whose check runs late (a loaded machine) cannot get a worker that
+  polls it failed.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import contextlib
 import logging
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,13 +36,15 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from api.records import StoreUnavailableError
-from api.store_coord import OnChange, OnResync, Worker, lock_key
+from api.store_coord import OnChange, OnResync, Seen, Worker, lock_key
 from api.store_pg import _DOWN, CHANNEL, PostgresStore
 from api.store_pg_watch import PROBE_STALL_S
 
 log = logging.getLogger(__name__)
 
 RECONNECT_S = 0.5
+LIVE_CHECKS = 3  # a replica that wrote no arrivals for this many of its heartbeat checks is dead
+SYNC_ROWS_KEPT_S = 3600.0  # a replica's replica_sync row outlives it this long (then deleted)
 GETCONN_STEP_S = 0.25
 LOCK_WAIT_S = 60.0  # longest wait for another replica's job lock (a solve holds it for seconds at most)
 
@@ -47,6 +54,7 @@ class PgCoordinator:
 
     def __init__(self, store: PostgresStore) -> None:
         self.store = store
+        self.replica = uuid.uuid4().hex  # this process's row in replica_sync
         self._claims: psycopg.Connection[Any] | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -147,17 +155,25 @@ class PgCoordinator:
             with self.store.watchdog.watch(conn, self.store.timeout):
                 conn.execute("SELECT pg_advisory_unlock(%s)", (lock_key("plan", key),))
 
-    def publish_seen(self, rows: list[tuple[str, int, int, float]]) -> None:
-        """Record poll arrivals (job, d, s, wall-clock time); the latest per worker is kept."""
-        if not rows:
-            return
+    def publish_seen(self, rows: list[Seen], synced_at: float, check_s: float) -> None:
+        """Record poll arrivals (job, d, s, wall-clock time; the latest per worker is kept) and that
+        this replica has written every arrival it saw up to `synced_at` (wall clock) and writes
+        again every `check_s`."""
         with self.store.connection() as conn, conn.cursor() as cur:
-            cur.executemany(
-                "INSERT INTO heartbeats (job_id, d, s, seen_at) VALUES (%s, %s, %s, %s) "
-                "ON CONFLICT (job_id, d, s) DO UPDATE "
-                "SET seen_at = greatest(heartbeats.seen_at, excluded.seen_at)",
-                rows,
+            if rows:
+                cur.executemany(
+                    "INSERT INTO heartbeats (job_id, d, s, seen_at) VALUES (%s, %s, %s, %s) "
+                    "ON CONFLICT (job_id, d, s) DO UPDATE "
+                    "SET seen_at = greatest(heartbeats.seen_at, excluded.seen_at)",
+                    rows,
+                )
+            cur.execute(
+                "INSERT INTO replica_sync (replica, synced_at, check_s) VALUES (%s, %s, %s) "
+                "ON CONFLICT (replica) DO UPDATE "
+                "SET synced_at = excluded.synced_at, check_s = excluded.check_s",
+                (self.replica, synced_at, check_s),
             )
+            cur.execute("DELETE FROM replica_sync WHERE synced_at < %s", (synced_at - SYNC_ROWS_KEPT_S,))
 
     def seen_after(self, since: float) -> list[tuple[str, int, int, float]]:
         """(job, d, s, latest arrival) of every worker some replica saw poll after `since` (wall clock)."""
@@ -167,11 +183,21 @@ class PgCoordinator:
             ).fetchall()
         return [(str(j), int(d), int(s), float(t)) for j, d, s, t in rows]
 
-    def seen_since(self, job_id: str, workers: list[Worker], since: float) -> dict[Worker, float]:
-        """{worker: latest arrival} of `workers` that some replica saw poll after `since` (wall clock)."""
+    def seen_within(self, job_id: str, workers: list[Worker], timeout_s: float) -> dict[Worker, float]:
+        """{worker: latest arrival} of `workers` that some replica saw poll within `timeout_s` before
+        the moment up to which every other live replica (one that wrote within LIVE_CHECKS of its
+        checks) has written its arrivals: now, or the earliest such replica's last write."""
+        wall = time.time()
         with self.store.connection() as conn:
+            row = conn.execute(
+                "SELECT min(synced_at) FROM replica_sync "
+                "WHERE replica <> %s AND synced_at > %s - %s * check_s",
+                (self.replica, wall, LIVE_CHECKS),
+            ).fetchone()
+            written = wall if row is None or row[0] is None else min(wall, float(row[0]))
             rows = conn.execute(
-                "SELECT d, s, seen_at FROM heartbeats WHERE job_id = %s AND seen_at > %s", (job_id, since)
+                "SELECT d, s, seen_at FROM heartbeats WHERE job_id = %s AND seen_at > %s",
+                (job_id, written - timeout_s),
             ).fetchall()
         wanted = set(workers)
         return {(int(d), int(s)): float(t) for d, s, t in rows if (int(d), int(s)) in wanted}

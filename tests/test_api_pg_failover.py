@@ -1,9 +1,11 @@
 """Replicas dying under load-balanced traffic (real `recycle serve --database` processes on a real
 PostgreSQL, bench/pg_cluster.py): a worker that polled only a replica killed -9 is failed by another
-replica once it goes silent (once, and its `heartbeats` row pruned), an auto restore cut by a kill
-between its two versions completes on the client's retry elsewhere, the same event or Idempotency-Key
-sent to two replicas at once is applied once, a NUL character is a 4xx on PostgreSQL too, and a server
-that hangs (SIGSTOP) is 503 within the database timeout while polls keep being answered from memory."""
+replica once it goes silent (once, and its `heartbeats` row pruned), a replica stopped for longer
+than the heartbeat timeout gets no worker that polls it failed (by another replica or by itself), an
+auto restore cut by a kill between its two versions completes on the client's retry elsewhere, the
+same event or Idempotency-Key sent to two replicas at once is applied once, a NUL character is a 4xx
+on PostgreSQL too, and a server that hangs (SIGSTOP) is 503 within the database timeout while polls
+keep being answered from memory."""
 
 from __future__ import annotations
 
@@ -44,6 +46,12 @@ def _query(pg_server: Any, sql: str, *args: Any) -> list[tuple[Any, ...]]:
         return list(conn.execute(sql, args).fetchall())
 
 
+def _heartbeat_failures(pg_server: Any, job_id: str) -> int:
+    """How many heartbeat `fail` events the job's history holds."""
+    sql = "SELECT count(*) FROM events WHERE job_id = %s AND event_id LIKE 'heartbeat-%%'"
+    return int(_query(pg_server, sql, job_id)[0][0])
+
+
 def _status(base: str, job_id: str) -> dict[str, Any]:
     r = httpx.get(f"{base}/v1/jobs/{job_id}", headers=CTL, timeout=10)
     assert r.status_code == 200, r.text
@@ -68,18 +76,18 @@ def test_a_silent_worker_whose_replica_was_killed_is_failed_by_another_replica_o
             time.sleep(0.3)
         time.sleep(1.2)  # the victim's heartbeat check published the arrival (every 1 s)
         _kill(victim)
+        killed = time.monotonic()
     finally:
         victim.stop()
-    deadline = last_poll + 2.0 + 3.0  # the timeout, a check interval and slack for a loaded machine
+    # The steady replica counts the victim live for 3 of its checks (3 s) after its last write, and
+    # judges silence as of that write until then; then a check interval and slack for a loaded machine.
+    deadline = max(last_poll + 2.0, killed + 3.0) + 3.0
     while _status(steady.base, job_id)["failed"] != [[1, 0]]:
         assert time.monotonic() < deadline, "no replica failed the silent worker of the dead replica"
         time.sleep(0.1)
     print(f"failed {time.monotonic() - last_poll:.2f} s after its last poll (timeout 2 s)")
     time.sleep(1.1)  # another check (every 1 s): nobody fails it again
-    beats = _query(
-        pg_server, "SELECT count(*) FROM events WHERE job_id = %s AND event_id LIKE 'heartbeat-%%'", job_id
-    )
-    assert beats == [(1,)]
+    assert _heartbeat_failures(pg_server, job_id) == 1
     assert _query(pg_server, "SELECT d, s FROM heartbeats WHERE job_id = %s", job_id) == []  # pruned
     url = f"{steady.base}/v1/jobs/{job_id}/schedule?worker=0,0&after_version=2&wait=0"
     assert httpx.get(url, headers=worker, timeout=10).status_code == 304  # [0, 0] polls the survivor
@@ -87,6 +95,48 @@ def test_a_silent_worker_whose_replica_was_killed_is_failed_by_another_replica_o
     done = event(steady.base, job_id, "all-done", "done", alive)
     assert done.status_code == 200 and done.json()["state"] == "finished", done.text
     assert _query(pg_server, "SELECT count(*) FROM heartbeats WHERE job_id = %s", job_id) == [(0,)]
+
+
+def test_a_replica_stopped_longer_than_the_timeout_gets_no_worker_that_polls_it_failed(
+    steady: Replica, pg_server: Any, tmp_path: Path
+) -> None:
+    """Worker [0, 1] polls only `paused` (every 0.3 s), which is stopped (SIGSTOP) for 2.5 s, longer
+    than the job's 2 s timeout but within its three checks of 2 s. The steady replica must judge the
+    worker's silence as of paused's last publication, not as of now, and paused, woken, must read the
+    polls that waited before judging anyone (before, one of them failed the worker). Once the worker
+    goes silent it is failed, once."""
+    paused = Replica(pg_server.url_for(DB), tmp_path / "paused.log", RECYCLE_HEARTBEAT_CHECK_S="2")
+    try:
+        job_id, worker = create_job(paused.base, JOB, heartbeat_enabled=True, heartbeat_timeout_s=2.0)
+        url = f"{paused.base}/v1/jobs/{job_id}/schedule?worker=0,1&after_version=1&wait=0"
+        stop = threading.Timer(2.5, _pause, args=(paused, 2.5))
+        stop.start()
+        try:
+            until = time.monotonic() + 9.0
+            while time.monotonic() < until:
+                assert httpx.get(url, headers=worker, timeout=10).status_code == 304, "the worker was failed"
+                last_poll = time.monotonic()
+                time.sleep(0.3)
+        finally:
+            stop.join()
+        assert _status(steady.base, job_id)["failed"] == []
+        deadline = last_poll + 2.0 + 2.0 + 3.0  # the timeout, paused's check and slack
+        while _status(steady.base, job_id)["failed"] != [[0, 1]]:
+            assert time.monotonic() < deadline, "the silent worker was never failed"
+            time.sleep(0.1)
+        time.sleep(2.1)  # both replicas have checked again: nobody fails it twice
+        assert _heartbeat_failures(pg_server, job_id) == 1
+    finally:
+        paused.stop()
+
+
+def _pause(replica: Replica, seconds: float) -> None:
+    """Stop `replica`'s process for `seconds` (SIGSTOP, then SIGCONT)."""
+    os.kill(replica.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(replica.proc.pid, signal.SIGCONT)
 
 
 def test_precompute_started_on_a_replica_killed_mid_plan_is_finished_by_another(
