@@ -32,6 +32,8 @@ from runtime_adapter.heartbeats import DEFAULT_TIMEOUT_S, Watch
 if TYPE_CHECKING:
     from runtime_adapter.service_publisher import ServicePublisher as ServicePublisher
 
+MAX_VERSION = 2**53  # the largest schedule version a resumed file may hold (exact in every JSON reader)
+
 logger = logging.getLogger(__name__)
 
 ScheduleFor = Callable[[frozenset[Worker]], Schedule]
@@ -241,7 +243,7 @@ class FilePublisher:
             restore = Restore.from_envelope(doc)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise InvalidInputError(f"--resume: {self.path} is not a launch's schedule file ({e})") from None
-        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= MAX_VERSION:
             raise InvalidInputError(f"--resume: {self.path}: version {version!r} is not a version number")
         self.version, self.restore, self._resuming = version, restore, True
 

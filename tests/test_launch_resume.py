@@ -117,6 +117,9 @@ def test_what_cannot_resume_is_one_line_before_anything_starts(
         sleeper.wait()
     code, err = _cli(launch(inputs, out, "--resume"), capsys)
     assert code == 2 and len(err) == 1 and "is not a launch's schedule file" in err[0], err
+    (out / "schedule.json").write_text('{"version": 100000000000000000000000}')  # was resumed at 1e23 + 1
+    code, err = _cli(launch(inputs, out, "--resume"), capsys)
+    assert code == 2 and len(err) == 1 and "version 100000000000000000000000 is not a version" in err[0], err
     argv = [a for a in launch(inputs, out, "--resume") if a not in ("--checkpoint-every", "2")]
     code, err = _cli(argv, capsys)
     assert code == 2 and len(err) == 1 and "--resume needs --checkpoint-every N" in err[0], err
