@@ -6,13 +6,16 @@ the stage and saying to restore from a checkpoint), conflicting event_id 409, an
 finished job 409, `done` from a worker the job has as failed 409, an Idempotency-Key reused for
 another body 422, planner bug 500, solver overload 503, database unreachable (PostgreSQL down or
 restarting, hanging, no free connection) or a version another replica committed first 503 with
-Retry-After: 1 (retry).
+Retry-After: 1 (retry). Routing and auth errors (401, 403, an unknown path 404, 405) get the same
+`{"detail", "error"}` shape.
 """
 
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from api.records import StoreUnavailableError, VersionConflictError
 from api.validation import install_validation
@@ -73,6 +76,39 @@ def _simple(status: int, error: str, retry_after_s: int | None = None):  # type:
     return handler
 
 
+METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+HTTP_ERRORS = {401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed"}
+
+
+def _allowed(request: Request) -> list[str]:
+    """The methods some route of the app takes on this request's path (asked of the router itself,
+    so routers included in others count)."""
+    routes = request.app.router.routes
+
+    def takes(method: str) -> bool:
+        return any(r.matches({**request.scope, "method": method})[0] == Match.FULL for r in routes)
+
+    return [m for m in METHODS if takes(m)]
+
+
+def _http(request: Request, exc: Exception) -> JSONResponse:
+    """The routing and auth errors in the service's own shape (`detail` and `error`). A path no route
+    serves is `404 unknown_path`; a method no route of the path takes is `405` with `Allow` listing
+    the methods of every route of that path (Starlette named the first route's only)."""
+    assert isinstance(exc, StarletteHTTPException)
+    headers = dict(exc.headers or {})
+    error = HTTP_ERRORS.get(exc.status_code, "http_error")
+    detail = str(exc.detail)
+    path = request.url.path
+    if exc.status_code == 404 and detail == "Not Found":
+        error, detail = "unknown_path", f"no route serves {path}"
+    elif exc.status_code == 405:
+        headers["Allow"] = ", ".join(_allowed(request))
+        detail = f"{request.method} is not allowed on {path} (allowed: {headers['Allow']})"
+    content = {"detail": detail, "error": error}
+    return JSONResponse(status_code=exc.status_code, content=content, headers=headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Register every domain-error -> HTTP status mapping on `app`."""
     app.add_exception_handler(UnrecoverableScenarioError, _unrecoverable)
@@ -86,4 +122,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StoreUnavailableError, _simple(503, "database_unavailable", 1))
     app.add_exception_handler(VersionConflictError, _simple(503, "version_conflict", 1))
     app.add_exception_handler(ScheduleRuleError, _simple(500, "planner_bug"))
+    app.add_exception_handler(StarletteHTTPException, _http)
     install_validation(app)  # 422 naming the field for NaN/Infinity in a body, never echoing them

@@ -110,6 +110,36 @@ def test_404_and_422(client: TestClient) -> None:
     assert r.status_code == 422 and "heartbeat_timeout_s" in r.text
 
 
+def test_unknown_paths_and_methods_answer_in_the_error_shape(client: TestClient) -> None:
+    """Routing and auth errors carry `error` like the domain errors; a 405's Allow names every method
+    of the path (Starlette named only the first route's: `POST` on /v1/jobs, which GET lists too)."""
+    job_id, worker = new_job(client)
+    for method, path, allow in [
+        ("DELETE", "/v1/jobs", "GET, POST"),
+        ("PUT", "/v1/jobs", "GET, POST"),
+        ("OPTIONS", "/v1/jobs", "GET, POST"),
+        ("DELETE", f"/v1/jobs/{job_id}", "GET, PATCH"),
+        ("PUT", f"/v1/jobs/{job_id}/events", "POST"),
+        ("POST", f"/v1/jobs/{job_id}/schedule", "GET"),
+    ]:
+        r = client.request(method, path, headers=CTL)
+        assert r.status_code == 405 and r.headers["allow"] == allow, (method, path, r.headers)
+        assert r.json() == {
+            "detail": f"{method} is not allowed on {path} (allowed: {allow})",
+            "error": "method_not_allowed",
+        }
+    r = client.get("/v2/jobs", headers=CTL)
+    assert r.status_code == 404
+    assert r.json() == {"detail": "no route serves /v2/jobs", "error": "unknown_path"}
+    r = client.get("/v1/jobs/nope", headers=CTL)
+    assert r.status_code == 404 and r.json()["error"] == "not_found"
+    r = client.get("/v1/jobs")
+    assert r.status_code == 401 and r.json()["error"] == "unauthorized"
+    assert r.headers["www-authenticate"] == "Bearer"
+    r = client.get("/v1/jobs", headers=worker)
+    assert r.status_code == 403 and r.json()["error"] == "forbidden"
+
+
 def test_dimension_bound_d_times_p_times_m(client: TestClient) -> None:
     big = dict(TINY, num_microbatches=4096, num_pipelines=100)  # 100*2*4096 > 300k
     r = client.post("/v1/jobs", json={"job": big}, headers=CTL)
