@@ -1,6 +1,7 @@
 """SIGTERM and SIGHUP stop a launcher or an agent (kill, Slurm, Kubernetes, a closed terminal): they
 raise SystemExit(128 + signal) in the main thread, so that it stops every worker it started before it
-exits (before, they trained on, orphaned).
+exits (before, they trained on, orphaned). SIGINT (Ctrl-C) raises KeyboardInterrupt, as Python's own
+handler does, under the same rule below.
 
 Not anywhere, though. `subprocess.Popen.poll` takes the process's wait lock and only then enters its
 `try`: an exception raised by a signal handler between the two leaves the lock held, and the next
@@ -21,16 +22,22 @@ from types import FrameType
 _state: dict[str, int] = {"shielded": 0, "pending": 0}  # pending: a signal number, 0 none
 
 
+def _stop(signum: int) -> BaseException:
+    """What stop signal `signum` raises: KeyboardInterrupt for SIGINT, else SystemExit(128 + signum)."""
+    return KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
+
+
 def _on_signal(signum: int, frame: FrameType | None) -> None:
     if _state["shielded"]:
         _state["pending"] = signum
         return
-    raise SystemExit(128 + signum)
+    raise _stop(signum)
 
 
 def stop_on_signals() -> None:
-    """SIGTERM and SIGHUP raise SystemExit(128 + signal) (outside `shielded` sections)."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    """SIGTERM and SIGHUP raise SystemExit(128 + signal), SIGINT KeyboardInterrupt (outside
+    `shielded` sections)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, _on_signal)
 
 
@@ -44,7 +51,7 @@ def shielded() -> Iterator[None]:
         _state["shielded"] -= 1
     if not _state["shielded"] and _state["pending"]:
         signum, _state["pending"] = _state["pending"], 0
-        raise SystemExit(128 + signum)
+        raise _stop(signum)
 
 
 class WorkerPopen(subprocess.Popen[bytes]):

@@ -1,9 +1,11 @@
 """`recycle launch` stopped from outside, with real torch workers: SIGTERM stops every worker first
-(exit 143, one line), as Ctrl-C does; SIGKILL leaves no worker behind (each ends when its launcher
-is gone: `--exit-with-parent`). Before, both left every worker training on, orphaned."""
+(exit 143, one line), as Ctrl-C does (SIGINT to the launcher's process group, workers included: exit
+130, one line); SIGKILL leaves no worker behind (each ends when its launcher is gone:
+`--exit-with-parent`). Before, SIGTERM and SIGKILL left every worker training on, orphaned."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -28,7 +30,9 @@ def start(inputs: tuple[str, str], out: Path) -> tuple[subprocess.Popen[str], li
     """A launch whose 4 workers all stepped at least once; (launcher, worker pids)."""
     cmd = [sys.executable, "-m", "recycle_cli", "launch", "--job", inputs[0], "--schedules", inputs[1],
            "--out", str(out), "--iterations", "1000", "--pace-ms", "50", "--timeout", "120"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(  # its own process group, as a terminal's foreground job
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     deadline = time.monotonic() + 90
     workers = [(d, s) for d in range(2) for s in range(2)]
     while time.monotonic() < deadline:
@@ -40,14 +44,20 @@ def start(inputs: tuple[str, str], out: Path) -> tuple[subprocess.Popen[str], li
     raise AssertionError("the workers did not step within 90 s")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL, signal.SIGINT])
 def test_a_launcher_stopped_from_outside_leaves_no_worker(
     inputs: tuple[str, str], tmp_path: Path, sig: signal.Signals
 ) -> None:
     proc, pids = start(inputs, tmp_path / "run")
-    proc.send_signal(sig)
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)  # Ctrl-C: the terminal signals the whole foreground group
+    else:
+        proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert wait_gone(pids, 15.0), pids
     if sig == signal.SIGTERM:
         assert proc.returncode == 128 + signal.SIGTERM, err
         assert "stopped by a signal: every worker stopped" in err and "Traceback" not in err, err
+    if sig == signal.SIGINT:
+        assert proc.returncode == 130, err
+        assert "interrupted: every worker stopped" in err and "Traceback" not in err, err
