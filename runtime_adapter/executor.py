@@ -27,6 +27,7 @@ micro-batches' (unscaled) losses: one `.item()` per iteration, in the record.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import logging
@@ -45,11 +46,13 @@ from runtime_adapter.comm import Groups, Interrupted
 from runtime_adapter.grad_sum import GradSum
 from runtime_adapter.lowering import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Instr, Program, lower
 from runtime_adapter.stage import StageRunner
+from runtime_adapter.stall import StallWatch
 from runtime_adapter.training import apply_lr, build_optimizer, clip_gradients
 
 logger = logging.getLogger(__name__)
 
 FaultHook = Callable[[int, Instr], None]
+WATCHED_OPS = ("F", "B", "W", "BW")  # under the stall watchdog: not OPT, whose all-reduce waits on peers
 REDUCED = Instr("REDUCED")  # the fault hook's point right after the gradient all-reduce returned
 
 
@@ -82,6 +85,7 @@ class Executor:
         num_microbatches: int,
         fault: FaultHook | None = None,
         before_step: Callable[[IterationRecord], None] | None = None,
+        stall: StallWatch | None = None,
     ) -> None:
         self.module, self.runner, self.worker = module, runner, worker
         self.num_pipelines, self.num_microbatches = num_pipelines, num_microbatches
@@ -89,7 +93,7 @@ class Executor:
         self.optimizer = build_optimizer(runner.training, self.params)
         self.base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         self.grad_sum = GradSum(self.params, runner.training.exact_sums)
-        self.fault, self.before_step = fault, before_step
+        self.fault, self.before_step, self.stall = fault, before_step, stall
         self.interrupted = threading.Event()
         self._version_lock = threading.Lock()
         self.version = 0
@@ -97,6 +101,12 @@ class Executor:
         self._snapshot: tuple[int, list[torch.Tensor], dict[str, Any]] | None = None
         self.program: Program | None = None
         self.groups: Groups | None = None
+
+    def _busy(self, ins: Instr) -> contextlib.AbstractContextManager[None]:
+        """A compute op runs under the stall watchdog (stall.py); the waits on peers do not."""
+        if self.stall is None or ins.kind not in WATCHED_OPS:
+            return contextlib.nullcontext()
+        return self.stall.busy(str(ins))
 
     # -- verbs ----------------------------------------------------------------------------------------
 
@@ -133,7 +143,8 @@ class Executor:
                 if self.fault is not None:
                     self.fault(iteration, ins)
                 t = time.perf_counter()
-                run.step(ins)
+                with self._busy(ins):
+                    run.step(ins)
                 rec.op_ms[ins.kind] = rec.op_ms.get(ins.kind, 0.0) + 1e3 * (time.perf_counter() - t)
         finally:
             self.optimizer.zero_grad(set_to_none=True)

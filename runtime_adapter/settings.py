@@ -29,6 +29,12 @@ class RuntimeSettings(BaseSettings):
     group_timeout_s: float = Field(
         default=20.0, gt=0, description="Timeout of the store and of collectives of one version, seconds."
     )
+    stall_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Longest a worker's compute op (F, B, W) may run before the worker ends itself as hung "
+        "(exit 6), seconds; default: the group timeout.",
+    )
     poll_wait_s: float = Field(
         default=30.0, gt=0, description="Long-poll wait a worker asks the planner service for, seconds."
     )
@@ -56,6 +62,11 @@ class RuntimeSettings(BaseSettings):
     def group_timeout(self) -> timedelta:
         """`group_timeout_s` as a timedelta."""
         return timedelta(seconds=self.group_timeout_s)
+
+    @property
+    def stall_timeout(self) -> float:
+        """`stall_timeout_s`, or the group timeout when unset (runtime_adapter/stall.py), seconds."""
+        return self.group_timeout_s if self.stall_timeout_s is None else self.stall_timeout_s
 
     @property
     def poll_wait(self) -> timedelta:

@@ -62,6 +62,7 @@ from runtime_adapter.migration_plan import MigrationError
 from runtime_adapter.rendezvous import connect_groups
 from runtime_adapter.settings import runtime_settings
 from runtime_adapter.stage import StageRunner, check_training, data_digest
+from runtime_adapter.stall import StallWatch
 from runtime_adapter.worker_options import (
     EXIT_DROPPED,
     EXIT_NEEDS_RESTORE,
@@ -117,6 +118,7 @@ class WorkerProcess:
             opts.num_microbatches,
             fault_hook(opts.fail_at),
             before_step=lambda rec: self.acct.stepping(rec),
+            stall=StallWatch(self.settings.stall_timeout),
         )
         self.client = ScheduleClient(
             source,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from typing import Any
 
 import torch
@@ -101,5 +102,23 @@ def per_process(**kwargs: Any) -> Training:
     def data(iteration: int, pipeline: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, targets = base.data(iteration, pipeline, microbatch)
         return perm[tokens], perm[targets]
+
+    return dataclasses.replace(base, data=data)
+
+
+def hangs_once(hang_flag: str, **kwargs: Any) -> Training:
+    """The reference GPT whose data function hangs for ever in the process that first reads micro-batch
+    [1, 0] of iteration 2 while the file `hang_flag` exists (it removes it: a re-joiner does not hang)."""
+    base = gpt(**kwargs)
+
+    def data(iteration: int, pipeline: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if (iteration, pipeline, microbatch) == (2, 1, 0):
+            try:
+                os.unlink(hang_flag)
+            except FileNotFoundError:
+                pass
+            else:
+                threading.Event().wait()  # a data loader that deadlocked
+        return base.data(iteration, pipeline, microbatch)
 
     return dataclasses.replace(base, data=data)
