@@ -144,7 +144,7 @@ class SharedHeartbeats:
         moment every other live replica has published up to: `seen_within`); the others count as
         seen at the arrival another replica published. Empty while the store is unreachable (no
         event could be committed anyway)."""
-        timeout = rt.record.heartbeat_timeout_s or self.service.settings.heartbeat_timeout_s
+        timeout = self.service.heartbeat_timeout(rt)
         wall = time.time()
         try:
             seen = self.service.coord.seen_within(rt.record.id, silent, timeout)

@@ -44,7 +44,16 @@ from runtime_adapter.assignment import Assignment, MicroBatch, Worker
 from runtime_adapter.autograd_split import stage_backward_input, stage_backward_weight
 from runtime_adapter.comm import Groups, Interrupted
 from runtime_adapter.grad_sum import GradSum
-from runtime_adapter.lowering import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Instr, Program, lower
+from runtime_adapter.lowering import (
+    COMPUTE_OPS,
+    RECV_ACT,
+    RECV_GRAD,
+    SEND_ACT,
+    SEND_GRAD,
+    Instr,
+    Program,
+    lower,
+)
 from runtime_adapter.stage import StageRunner
 from runtime_adapter.stall import StallWatch
 from runtime_adapter.training import apply_lr, build_optimizer, clip_gradients
@@ -52,7 +61,7 @@ from runtime_adapter.training import apply_lr, build_optimizer, clip_gradients
 logger = logging.getLogger(__name__)
 
 FaultHook = Callable[[int, Instr], None]
-WATCHED_OPS = ("F", "B", "W", "BW")  # under the stall watchdog: not OPT, whose all-reduce waits on peers
+WATCHED_OPS = tuple(op for op in COMPUTE_OPS if op != "OPT")  # stall.py's; OPT's all-reduce waits on peers
 REDUCED = Instr("REDUCED")  # the fault hook's point right after the gradient all-reduce returned
 
 
