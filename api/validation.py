@@ -10,7 +10,8 @@ pieces, installed by `install_validation(app)` (called from api/errors.py):
   from below takes Infinity);
 - `validation_error_handler` replaces FastAPI's default 422 handler, which echoes each error's
   `input` and failed with a 500 when that input was a non-finite float (the answer is rendered
-  with allow_nan=False): non-finite values are never echoed, every error keeps its `loc`.
+  with allow_nan=False): non-finite values are never echoed, every error keeps its `loc`, and the
+  answer carries `"error": "invalid"` like the service's other errors.
 """
 
 from __future__ import annotations
@@ -150,9 +151,10 @@ def safe_errors(errors: Any) -> list[dict[str, Any]]:
 
 
 async def validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
-    """422 with every error's `loc`, never echoing a non-finite value."""
+    """422 with every error's `loc`, never echoing a non-finite value; `error` is `invalid`, as for
+    every other invalid input."""
     assert isinstance(exc, RequestValidationError)
-    return JSONResponse(status_code=422, content={"detail": safe_errors(exc.errors())})
+    return JSONResponse(status_code=422, content={"detail": safe_errors(exc.errors()), "error": "invalid"})
 
 
 def install_validation(app: FastAPI) -> None:

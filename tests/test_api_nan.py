@@ -134,6 +134,7 @@ def test_finite_bodies_still_pass(client: TestClient, job_id: str) -> None:
     assert r.status_code == 422 and strict_json(r.text)["detail"][0]["loc"] == ["body", "heartbeat_timeout_s"]
     r = client.post(f"/v1/jobs/{job_id}/events", content=b"{not json", headers=CTL)
     assert r.status_code == 422 and strict_json(r.text)["detail"][0]["type"] == "json_invalid"
+    assert strict_json(r.text)["error"] == "invalid", r.text
 
 
 def test_a_body_of_another_content_type_is_named_not_echoed(client: TestClient, job_id: str) -> None:
@@ -144,6 +145,7 @@ def test_a_body_of_another_content_type_is_named_not_echoed(client: TestClient, 
         r = client.post(f"/v1/jobs/{job_id}/events", content=body, headers=headers)
         assert r.status_code == 422 and len(r.text) < 500, r.text
         assert "Content-Type: application/json" in r.json()["detail"][0]["msg"], r.text
+        assert r.json()["error"] == "invalid", r.text
 
 
 def test_non_finite_paths() -> None:
