@@ -148,6 +148,8 @@ class JobService(JobEvents):
 
     async def create(self, req: JobCreate, idempotency_key: str | None = None) -> tuple[JobRuntime, str]:
         """Register a job, publish version 1 (failure-free plan); returns the runtime and worker token.
+        The plan comes first: a job it refuses (no schedule fits its memory) or that the solver cannot
+        plan in time is not stored, so neither the job nor its Idempotency-Key is left behind.
 
         With `idempotency_key` (checked and not yet used: see api/idempotency.py), the key and the
         answer are stored in the job's own transaction."""
@@ -176,15 +178,17 @@ class JobService(JobEvents):
             warnings = unread_fields(req.job, "job.")
             answer = JobCreated(id=rec.id, worker_token=token, version=1, state="running", warnings=warnings)
             idem = new_record(idempotency_key, req, answer)
+        new = JobRuntime(record=rec, job=req.job, scenario=FailureScenario())
+        plan = await self._plan(new, new.scenario)  # before storing: a job no schedule fits leaves nothing
         self.store.create_job(rec, idem)
         rt = self.jobs.get(rec.id)  # the listener may have added it already (its NOTIFY)
         if rt is None:
-            rt = JobRuntime(record=rec, job=req.job, scenario=FailureScenario())
+            rt = new
             self.jobs[rec.id] = rt
             self._token_jobs[rec.worker_token_hash] = rec.id
             self.metrics.jobs.set(len(self.jobs))
         async with self.locked(rt):
-            await self._install(rt, rt.scenario, event=None)
+            self._publish(rt, rt.scenario, plan, event=None)
         return rt, token
 
     async def ensure_version(self, rt: JobRuntime) -> None:

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
 from api.background import heartbeat_loop, precompute
-from api.errors import install_error_handlers
+from api.errors import ServiceError, install_error_handlers
 from api.fastpoll import answer_poll
 from api.job_sync import ReplicaSync
 from api.jobs import JobRuntime, JobService
@@ -23,6 +23,7 @@ from api.settings import Settings, get_settings
 from api.solver import Solver
 from api.store import Store, open_store
 from api.store_coord import Coordinator, LocalCoordinator
+from planner.errors import PlannerError
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         solver.start()
         for rt in runtimes:
             if rt.view is None or (rt.record.state == "needs_restore" and rt.record.restore_policy == "auto"):
-                await service.ensure_version(rt)
+                try:
+                    await service.ensure_version(rt)
+                except (PlannerError, ServiceError) as e:  # one job the planner refuses stops no other
+                    log.error("job %s: no schedule version published at start-up: %s", rt.record.id, e)
+                    continue
             start_precompute(rt)
         tasks.add(asyncio.create_task(heartbeat_loop(service)))
         gc.collect()

@@ -117,7 +117,12 @@ class VersionPublisher:
 
     async def _install(self, rt: JobRuntime, scenario: FailureScenario, event: EventRecord | None) -> None:
         """Pick a schedule for `scenario` and publish it as the next version (lock held by caller)."""
-        plan = await self._plan(rt, scenario)
+        self._publish(rt, scenario, await self._plan(rt, scenario), event)
+
+    def _publish(
+        self, rt: JobRuntime, scenario: FailureScenario, plan: Plan, event: EventRecord | None
+    ) -> None:
+        """Commit `plan` as the next version for `scenario` and refine it in the background (lock held)."""
         self._commit_version(rt, scenario, [], plan.json, plan.source, plan.itime, event, plan.schedule)
         self._start_refine(rt, scenario, plan)
 

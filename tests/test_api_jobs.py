@@ -3,6 +3,8 @@ schedule polls are heartbeats (worker-token polls only, never the controller's).
 
 from __future__ import annotations
 
+import json
+import logging
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient
 
 from api.main import create_app
+from api.records import JobRecord
 from api.settings import Settings
 from tests.jobs import service_job_doc
 
@@ -152,6 +155,39 @@ def test_insecure_dev_counts_worker_token_polls_only(tmp_path: Path) -> None:
         assert wait_failed(c, created["id"], 1.2) == []
         assert c.get(url, headers={"Authorization": f"Bearer {created['worker_token']}"}).status_code == 200
         assert wait_failed(c, created["id"], 10) == [[0, 1]]
+
+
+def test_a_job_no_schedule_fits_is_not_stored_and_its_key_stays_free(tmp_path: Path) -> None:
+    """The first plan's 422 had stored the job anyway (version 0: polls answered 304 forever), used
+    up its Idempotency-Key (the corrected retry was `idempotency_key_reused`) and the service then
+    refused to start on that data directory."""
+    key = "launch-too-small-4c1e8b"
+    with make_client(tmp_path) as c:
+        r = register(c, key=key, job={**TINY, "memory_capacity_mib": 8.0})  # 10 MiB per activation
+        assert r.status_code == 422 and "no schedule fits" in r.json()["detail"], r.text
+        assert c.get("/v1/jobs", headers=CTL).json()["jobs"] == []
+        again = register(c, key=key)
+        assert again.status_code == 201 and "idempotent-replayed" not in again.headers, again.text
+    with make_client(tmp_path) as c:
+        assert [j["version"] for j in c.get("/v1/jobs", headers=CTL).json()["jobs"]] == [1]
+
+
+def test_a_stored_job_the_planner_refuses_does_not_stop_the_service_starting(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A data directory holding a job without a version that no schedule fits (left by an older
+    service): start-up plans the others and says which job it could not."""
+    with make_client(tmp_path) as c:
+        good = register(c).json()["id"]
+        spec = {**TINY, "memory_capacity_mib": 8.0}
+        bad = JobRecord("0badc0ffee000001", "too-small", json.dumps(spec), "0" * 64, time.time())
+        c.app.state.service.store.create_job(bad)  # type: ignore[attr-defined]
+    with make_client(tmp_path) as c:
+        jobs = {j["id"]: j["version"] for j in c.get("/v1/jobs", headers=CTL).json()["jobs"]}
+        assert jobs == {good: 1, bad.id: 0}
+        assert register(c).status_code == 201
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any(bad.id in m and "no schedule fits" in m for m in said), said
 
 
 def test_a_replay_starts_the_precompute_a_failed_first_attempt_never_started(
