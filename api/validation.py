@@ -10,8 +10,10 @@ pieces, installed by `install_validation(app)` (called from api/errors.py):
   from below takes Infinity);
 - `validation_error_handler` replaces FastAPI's default 422 handler, which echoes each error's
   `input` and failed with a 500 when that input was a non-finite float (the answer is rendered
-  with allow_nan=False): non-finite values are never echoed, every error keeps its `loc`, and the
-  answer carries `"error": "invalid"` like the service's other errors.
+  with allow_nan=False): non-finite values are never echoed, a lone UTF-16 surrogate (which JSON's
+  \\u escapes can spell, UTF-8 cannot encode and FastAPI's handler failed to render) is named and
+  escaped, every error keeps its `loc`, and the answer carries `"error": "invalid"` like the
+  service's other errors.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 FINITE_MSG = "must be a finite number (NaN, Infinity and numbers beyond the float range are not JSON)"
 NOT_JSON_MSG = "the body must be a JSON object sent with Content-Type: application/json"
+SURROGATE_MSG = "holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape not in a pair): not Unicode text"
 
 
 class _NonFinite:
@@ -129,14 +132,34 @@ def _has_non_finite(value: Any) -> bool:
     return False
 
 
+def _encodable(value: Any) -> Any:
+    """`value` with every string that UTF-8 cannot encode (a lone surrogate, which JSON's \\u escapes
+    can spell) escaped as text: the answer must be renderable to echo it."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode()
+        return value
+    if isinstance(value, dict):
+        return {_encodable(k): _encodable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_encodable(v) for v in value)
+    return value
+
+
 def safe_errors(errors: Any) -> list[dict[str, Any]]:
     """Pydantic/FastAPI errors made JSON-safe: an `input` or `ctx` holding a non-finite float is
-    dropped (and the message says a finite number is needed when the input itself was one). A body
-    that was not read as JSON (another Content-Type: a form, text) is named, not echoed back whole."""
+    dropped (and the message says a finite number is needed when the input itself was one); a string
+    holding a lone surrogate is named and escaped, never left to fail the rendering. A body that was
+    not read as JSON (another Content-Type: a form, text) is named, not echoed back whole."""
     out = []
     for error in errors:
         error = dict(error)
-        if tuple(error.get("loc", ())) == ("body",) and isinstance(error.get("input"), (str, bytes)):
+        if error.get("type") == "string_unicode":
+            error["msg"] = SURROGATE_MSG
+            error.pop("input", None)
+        elif tuple(error.get("loc", ())) == ("body",) and isinstance(error.get("input"), (str, bytes)):
             error["msg"] = NOT_JSON_MSG
             del error["input"]
         if _has_non_finite(error.get("input")):
@@ -145,7 +168,7 @@ def safe_errors(errors: Any) -> list[dict[str, Any]]:
             del error["input"]
         if _has_non_finite(error.get("ctx")):
             del error["ctx"]
-        out.append(error)
+        out.append(_encodable(error))
     encoded: list[dict[str, Any]] = jsonable_encoder(out)
     return encoded
 

@@ -148,6 +148,33 @@ def test_a_body_of_another_content_type_is_named_not_echoed(client: TestClient, 
         assert r.json()["error"] == "invalid", r.text
 
 
+@pytest.mark.parametrize(
+    ("body", "loc"),
+    [
+        ('{"event_id": "\\ud800", "kind": "fail", "workers": [[0, 0]]}', ["body", "event_id"]),
+        ('{"\\udc00x": 1, "event_id": "e", "kind": "fail", "workers": [[0, 0]]}', ["body"]),
+        ('{"event_id": "e", "kind": "fail", "workers": [[0, 0]], "why\\ud800": "\\ud800"}', ["body"]),
+    ],
+)
+def test_a_lone_surrogate_is_422_naming_it(
+    client: TestClient, job_id: str, body: str, loc: list[str]
+) -> None:
+    """JSON's \\u escapes can spell a lone UTF-16 surrogate, which is no Unicode text: the 422 that
+    echoed it failed to render and the client got a plain-text 500."""
+    r = client.post(f"/v1/jobs/{job_id}/events", content=body.encode(), headers=CTL)
+    assert r.status_code == 422, r.text
+    doc = strict_json(r.text)
+    assert doc["error"] == "invalid" and doc["detail"][0]["loc"] == loc, r.text
+    assert "surrogate" in doc["detail"][0]["msg"], r.text
+
+
+def test_safe_errors_escapes_what_utf8_cannot_encode() -> None:
+    raw = {"type": "extra_forbidden", "loc": ("body", "k\ud800"), "msg": "m", "input": "\udfff"}
+    (error,) = safe_errors([raw])
+    assert error["loc"] == ["body", "k\\ud800"] and error["input"] == "\\udfff"
+    json.dumps(error).encode()
+
+
 def test_non_finite_paths() -> None:
     assert non_finite_paths(b'{"a": [1, {"b": NaN}], "c": 1e999, "d": "NaN"}') == [["a", 1, "b"], ["c"]]
     assert non_finite_paths(b"Infinity") == [[]]
