@@ -40,6 +40,10 @@ GAIN_THRESHOLD = 1e-3  # a schedule within 0.1% of the best bound is not worth a
 HOST_SEARCH_SHARE = 0.7  # share of the greedy budget kept for the host-map search (host_search.py)
 CRITICAL_BUDGET = 2.0  # the critical-cycle search's budget on a reduced grid, in greedy budgets
 WINDOWS_MIN_OPS = 1000  # window re-solves (tight memory) from this size; below, the whole model
+FUSED_REASON = (
+    "the orders fuse some backwards into BW (a weight gradient larger than its activation would not fit "
+    "in memory), which the CP-SAT model, splitting every backward into B and W, does not express"
+)
 
 
 @dataclass
@@ -178,8 +182,11 @@ def plan(
     source = best.label
     cpsat_info: dict[str, object] = {}
     num_ops = sum(len(o) for o in best.orders.values())
+    fused = any(op == "BW" for order in best.orders.values() for op, _ in order)
     if use_cpsat and greedy_ms > mb * (1 + GAIN_THRESHOLD):
-        if num_ops <= settings.cpsat_max_ops:
+        if fused:  # the model splits every backward into B and W (planner/cpsat/variables.py)
+            cpsat_info = {"status": "SKIPPED", "reason": FUSED_REASON}
+        elif num_ops <= settings.cpsat_max_ops:
             from planner.adaptive.refine import refine_with_cpsat
 
             # Where memory does not cover a round trip, window re-solves (section 5 of docs/planner.md);

@@ -22,7 +22,7 @@ def small_jobs(
             "backward_weight": draw(t),
             "optimizer": draw(t),
             "activation_mib": 100.0,
-            "weight_grad_mib": draw(st.sampled_from([10.0, 30.0, 60.0])),
+            "weight_grad_mib": draw(st.sampled_from([10.0, 30.0, 60.0, 150.0])),  # above: B grows memory
         }
         for _ in range(P)
     ]

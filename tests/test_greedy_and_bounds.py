@@ -71,3 +71,19 @@ def test_capacity_below_one_activation_is_refused_naming_the_stage() -> None:
     job = uniform_job(2, 2, 2, cap=50.0)
     with pytest.raises(InvalidInputError, match="stage 0"):
         plan(job, FailureScenario(), use_cpsat=False)
+
+
+@pytest.mark.parametrize(("act", "wg", "failed"), [(60.0, 150.0, []), (45.0, 60.0, [(0, 1)])])
+def test_a_weight_gradient_that_would_not_fit_fuses_its_backward(
+    act: float, wg: float, failed: list[tuple[int, int]]
+) -> None:
+    """A B turns an activation into a weight gradient: where that is larger and would not fit, the
+    greedy ran the B anyway and the plan was refused ([memory] 150 over 100) though the fused BW,
+    which ends holding neither, fits. CP-SAT (B and W only) is skipped for such orders."""
+    job = jobs.uniform_job(2, 2, 4, activation_mib=act, weight_grad_mib=wg, capacity_mib=100.0)
+    scenario = FailureScenario(failed=failed)
+    result = plan(job, scenario)
+    report = validate(job, scenario, result.schedule)
+    assert max(report.peak_memory_mib.values()) <= 100.0
+    assert any(a.op == "BW" for w in result.schedule.workers for a in w.actions)
+    assert result.cpsat["status"] == "SKIPPED" and "BW" in str(result.cpsat["reason"])

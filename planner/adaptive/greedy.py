@@ -114,7 +114,7 @@ class GreedySim:
                 capacity=cap_eff,
                 inflight_cap=10**9 if extra is None else max(1, self.P - s + extra),
             )
-            for op in ("F", "B", "W", "OPT"):
+            for op in ("F", "B", "W", "BW", "OPT"):
                 self.dur[op, d, s] = p.duration(op, d, s)
         for s in range(self.P):
             for it in range(self.N):
@@ -162,7 +162,7 @@ class GreedySim:
         prof = self.p.job.stages[ws.s]
         if bh and bh[0][0] <= t:
             _, m, d = heapq.heappop(bh)
-            self._begin(ws, t, "B", (d, m))
+            self._begin(ws, t, self._backward_op(ws), (d, m))
             return
         f_ready = bool(fh) and fh[0][0] <= t
         if f_ready:
@@ -190,6 +190,14 @@ class GreedySim:
         if nxt is not None:
             self._push(nxt, WAKE, (ws.d, ws.s))
 
+    def _backward_op(self, ws: WorkerState) -> str:
+        """B, or the fused BW where the B's weight gradient would not fit: a B turns the
+        micro-batch's activation into its weight gradient, which needs more memory when
+        weight_grad_mib exceeds activation_mib; BW ends holding neither."""
+        prof = self.p.job.stages[ws.s]
+        grows = prof.weight_grad_mib - prof.activation_mib
+        return "BW" if ws.mem + grows > ws.capacity + 1e-9 else "B"
+
     def _begin(self, ws: WorkerState, t: float, op: str, mb: MicroBatchId | None) -> None:
         end = t + self.dur[op, ws.d, ws.s]
         ws.free_at = end
@@ -213,7 +221,7 @@ class GreedySim:
                 self._push(ready, WAKE, (nh, s + 1))
         elif op == "F":
             heapq.heappush(ws.ready_b.setdefault(it, []), (end, m, mb_d))
-        elif op == "B" and s > 0:
+        elif op in ("B", "BW") and s > 0:
             ph = p.host[s - 1, mb_d, m]
             ready = end + p.hop_ms(ws.d, ph)
             pws = self.workers[ph, s - 1]
@@ -239,11 +247,15 @@ class GreedySim:
             if ws.iteration < self.N:
                 self._start_iteration(ws, t)
             return
-        ws.left -= 1
+        ws.left -= 2 if op == "BW" else 1
         if op == "B":
             ws.mem += prof.weight_grad_mib - prof.activation_mib
             ws.inflight -= 1
             ws.pending_w.append(mb)
+        elif op == "BW":
+            ws.mem -= prof.activation_mib
+            ws.inflight -= 1
+            self._stage_w_done(s, it, t, count=1)
         elif op == "W":
             ws.mem -= prof.weight_grad_mib
             self._stage_w_done(s, it, t, count=1)
