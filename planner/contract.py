@@ -31,7 +31,7 @@ Index = Annotated[int, Strict(), Field(ge=0)]
 Worker = tuple[Index, Index]
 """A worker `[d, s]`: pipeline d, stage s."""
 
-MicroBatch = tuple[NonNegativeInt, NonNegativeInt]
+MicroBatch = tuple[Index, Index]
 """A micro-batch `[d, m]`: the m-th micro-batch of pipeline d's share of the global batch."""
 
 OpName = Literal["F", "B", "W", "BW", "OPT"]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from planner.contract import FailureScenario, JobSpec
+from planner.contract import FailureScenario, JobSpec, Schedule
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = json.loads((ROOT / "examples" / "gpt3-1.3b-p4d4.json").read_text())
@@ -24,6 +24,22 @@ def test_worker_indices_are_integers(worker: list[Any]) -> None:
     with pytest.raises(ValidationError):
         FailureScenario.model_validate_json(json.dumps({"slow": [{"worker": worker, "factor": 2}]}))
     assert FailureScenario.model_validate({"failed": [[1, 0]]}).failed == [(1, 0)]
+
+
+@pytest.mark.parametrize("mb", [[True, 0], ["1", 0], [1.0, 0], [0, -1]])
+def test_schedule_micro_batches_are_integers(mb: list[Any]) -> None:
+    """A schedule's `mb` read `[true, 0]` as micro-batch [1, 0] (outside review, session 14)."""
+    action = {"op": "F", "mb": [0, 0], "start_ms": 0.0, "end_ms": 1.0}
+    doc = {
+        "job": "j",
+        "failed": [],
+        "iteration_time_ms": 1.0,
+        "workers": [{"worker": [0, 0], "actions": [action]}],
+    }
+    assert Schedule.model_validate(doc).workers[0].actions[0].mb == (0, 0)
+    doc["workers"][0]["actions"][0] = {**action, "mb": mb}  # type: ignore[index]
+    with pytest.raises(ValidationError, match="mb"):
+        Schedule.model_validate_json(json.dumps(doc))
 
 
 @pytest.mark.parametrize("field", ["num_pipelines", "num_stages", "num_microbatches"])
