@@ -6,6 +6,8 @@ from typing import Any
 
 # Below this (relative) a gap prints as 0.000% anyway.
 _SHOWN = 5e-6
+# Deeper below a bound than this is no K-iteration transient (docs/planner.md, "Gaps below zero").
+_TRANSIENT = 1e-3
 
 
 def fmt_gap(gap: float | None) -> str:
@@ -14,7 +16,9 @@ def fmt_gap(gap: float | None) -> str:
         return "-"
     if gap > -_SHOWN:
         return f"{max(gap, 0.0):.3%}"
-    return f"{0.0:.3%} (measured {gap:.3%}: below a proven bound, float noise; see docs/planner.md)"
+    if gap > -_TRANSIENT:
+        return f"{0.0:.3%} (measured {gap:.3%}: below a proven bound, float noise; see docs/planner.md)"
+    return f"{gap:.3%} (below a proven bound by more than noise or a transient: a bug, please report it)"
 
 
 def fmt_drift(report: dict[str, Any]) -> str:

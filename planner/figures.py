@@ -67,11 +67,12 @@ def schedule_figures(
     """What `recycle validate` can say about any schedule from the job and the schedule alone:
     bounds and gaps, throughput vs failure-free 1F1B (solver-specific figures are left out)."""
     from planner.bounds import memory_bound
+    from planner.partition import job_for_schedule
     from planner.plan import baseline_1f1b_ms
 
     t = report.iteration_time_ms
-    base = baseline_1f1b_ms(job)
-    mb = memory_bound(job, scenario)
+    base = baseline_1f1b_ms(job)  # the job as given: a re-partition's gain shows in this ratio
+    mb = memory_bound(job_for_schedule(job, schedule), scenario)  # the job it runs, as the load bound
     fig: dict[str, Any] = {
         "job": schedule.job,
         "failed": [list(w) for w in schedule.failed],

@@ -187,6 +187,8 @@ def test_negative_gap_is_clamped_and_explained() -> None:
     shown = fmt_gap(-4e-5)
     assert shown.startswith("0.000% (measured -0.004%") and "docs/planner.md" in shown
     assert "-" not in shown.split("(")[0]
+    deep = fmt_gap(-0.64)  # no transient: a bound taken on the wrong job once printed this as noise
+    assert deep.startswith("-64.000%") and "bug" in deep and "float noise" not in deep
 
 
 def test_negative_gap_json_keeps_raw_value_and_flags_it() -> None:

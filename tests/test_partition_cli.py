@@ -59,6 +59,12 @@ def test_plan_repartition_json_and_validate(tmp_path: Path) -> None:
     assert json.loads(Path(sched).read_text())["partition"] == rep["partition"]
     ok = run("validate", job, sched)
     assert ok.returncode == 0 and ok.stdout.startswith("VALID"), ok.stdout + ok.stderr
+    # Both bounds on the job the schedule runs (its partition's): the memory-aware bound was the
+    # original job's, above the plan, and the negative gap printed as "float noise".
+    planned, checked = json.loads(out.stdout), json.loads(run("validate", job, sched, "--json").stdout)
+    for key in ("lower_bound_ms", "memory_bound_ms"):
+        assert checked[key] == pytest.approx(planned[key]), key
+    assert checked["gap_to_memory_bound"] >= -1e-9 and "noise" not in ok.stdout
     text = run("plan", job, "--fail", "0,1", "--fail", "1,1", "--repartition", "--no-cpsat")
     assert "load bound, best over all partitions (ms)" in text.stdout and "migration estimate" in text.stdout
 
