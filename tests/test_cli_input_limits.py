@@ -68,6 +68,21 @@ def test_whatif_and_simulate_numbers_mean_what_they_say(capsys: pytest.CaptureFi
     refused(["whatif", JOB, "--strategies", " , "], "name at least one strategy", capsys)
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--checkpoint-interval", "1e-9"], "checkpoints; at most 2,000,000 are simulated"),
+        (["--checkpoint-cost", "1e-12"], "checkpoints; at most 2,000,000 are simulated"),
+        (["--duration", "1e11s"], "failures; at most 1,000,000 are simulated"),
+    ],
+)
+def test_simulate_refuses_a_run_it_cannot_finish(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each checkpoint and failure is a step of the timeline: these once ran for ever, growing."""
+    refused(["simulate", JOB, "--mtbf", "6h", *flags], message, capsys)
+
+
 @pytest.mark.parametrize("command", [["agent", "--workers", "0,0"], ["launch", "--job", JOB, "--out", "o"]])
 def test_service_url_needs_a_scheme_and_host(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     refused([*command, "--service", "notaurl"], "is not an http:// or https:// URL", capsys)

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 LLAMA3_GPU_MTBF_H = (
     50_700.0  # GPU-hours between failures per GPU (Meta, Llama 3; /work/shared/FAILURE_RATES.md)
 )
+MAX_CHECKPOINTS = 2_000_000  # checkpoints one simulated run may take (each is a timeline segment)
 
 
 def _duration(default_unit: str = "h") -> Any:
@@ -405,6 +406,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if costs.checkpoint_interval_s is not None
         else young_daly_interval_s(job_mtbf, costs.checkpoint_s)
     )
+    if args.duration / interval > MAX_CHECKPOINTS:
+        raise InvalidInputError(
+            f"a checkpoint every {interval:.3g} s over --duration {args.duration:g} s is "
+            f"{args.duration / interval:.3g} checkpoints; at most {MAX_CHECKPOINTS:,} are simulated "
+            "(raise --checkpoint-interval or --checkpoint-cost, or shorten --duration)"
+        )
     if args.exact and {"recycle", "recycle+barrier"} & set(strategies):
         sets = [normalize(job, sc) for sc in _failure_sets(events)]
         todo = [Canonical(n.scenario, n.key, 1) for n in sets]

@@ -123,6 +123,9 @@ def write_trace(events: list[Event], path: str | Path) -> None:
     Path(path).write_text("\n".join(lines) + "\n")
 
 
+MAX_GENERATED_FAILURES = 1_000_000  # a generated trace's expected failures: minutes of simulation
+
+
 def generate_trace(job: JobSpec, mtbf_s: float, repair_s: float, duration_s: float, seed: int) -> list[Event]:
     """Exponential time to failure per worker (mean `mtbf_s`), fixed repair time, seeded.
 
@@ -130,6 +133,14 @@ def generate_trace(job: JobSpec, mtbf_s: float, repair_s: float, duration_s: flo
     """
     if mtbf_s <= 0 or repair_s < 0 or duration_s <= 0:
         raise InvalidInputError("mtbf and duration must be positive and repair non-negative")
+    workers = job.num_pipelines * job.num_stages
+    expected = workers * duration_s / (mtbf_s + repair_s)
+    if expected > MAX_GENERATED_FAILURES:
+        raise InvalidInputError(
+            f"--duration {duration_s:g} s at a worker MTBF of {mtbf_s:g} s over {workers} "
+            f"workers is about {expected:.3g} failures; at most {MAX_GENERATED_FAILURES:,} are simulated "
+            "(shorten --duration or raise --mtbf)"
+        )
     rng = random.Random(seed)
     events = []
     for d in range(job.num_pipelines):
