@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import TypeVar
 
@@ -115,15 +116,40 @@ def check_output(path: str | None, flag: str, suffixes: tuple[str, ...] | None =
         )
     if p.is_dir():
         raise InvalidInputError(f"{flag} {path}: is a directory")
-    if p.exists() and not os.access(p, os.W_OK):
+    if p.exists() and not _writable_file(p):
         raise InvalidInputError(f"{flag} {path}: file exists and is not writable")
     ancestor = p.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise InvalidInputError(f"{flag} {path}: cannot create a directory under {ancestor}: it is a file")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
+    if not writable_dir(ancestor):
         raise InvalidInputError(f"{flag} {path}: directory {ancestor} is not writable")
+
+
+def _writable_file(path: Path) -> bool:
+    """Whether `path` (which exists) can be written: a regular file is opened for appending (root
+    passes os.access on read-only files such as /proc's); anything else (a device, a pipe, which an
+    open could block on) by os.access."""
+    if not path.is_file():
+        return os.access(path, os.W_OK)
+    try:
+        with open(path, "ab"):
+            return True
+    except OSError:
+        return False
+
+
+def writable_dir(path: Path) -> bool:
+    """Whether a file can be created in directory `path`: a nameless temporary file is made and
+    dropped (os.access says yes to root on /proc, /sys and read-only mounts)."""
+    if not os.access(path, os.W_OK | os.X_OK):
+        return False
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            return True
+    except OSError:
+        return False
 
 
 def check_output_dir(path: str | None, flag: str) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from planner.cli_io import read_document
+from planner.cli_io import read_document, writable_dir
 from planner.contract import JobSpec
 from planner.errors import InvalidInputError
 from runtime_adapter.assignment import Worker
@@ -239,7 +239,7 @@ def check_checkpoint_dir(text: str | None) -> str | None:
     existing = next(p for p in [local.absolute(), *local.absolute().parents] if p.exists())
     if not existing.is_dir():
         raise InvalidInputError(f"{flag}: {existing} is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if not writable_dir(existing):
         raise InvalidInputError(f"{flag}: {existing} is not writable")
     return root
 

@@ -213,3 +213,16 @@ def test_simulate_never_counts_more_stalled_time_than_the_run_has(tmp_path: Path
         stalled = fig["recovery_s"] + fig["checkpoint_s"] + fig["stalled_s"]
         assert stalled <= fig["duration_s"] * (1 + 1e-9), (name, stalled / 3600)
         assert min(fig["recovery_s"], fig["checkpoint_s"], fig["stalled_s"]) >= 0, (name, fig)
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [("/proc/recycle-x.json", "directory /proc is not writable"), ("/proc/version", "is not writable")],
+)
+def test_an_output_nothing_can_write_is_refused_before_planning(
+    target: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """os.access says yes to root on /proc: the plan ran, then failed to write (outside review)."""
+    if not Path("/proc/version").exists():
+        pytest.skip("no /proc here")
+    refused(["plan", JOB, "--fail", "0,1", "-o", target], message, capsys)
