@@ -23,10 +23,12 @@ class UnrecoverableScenarioError(PlannerError):
 
     def __init__(self, stages: list[int]) -> None:
         self.stages = sorted(stages)
-        names = ", ".join(str(s) for s in self.stages)
+        if len(self.stages) == 1:
+            gone = f"stage {self.stages[0]} has no alive worker"
+        else:
+            gone = f"stages {', '.join(str(s) for s in self.stages)} have no alive worker"
         super().__init__(
-            f"unrecoverable failure set: stage {names} has no alive worker "
-            "(every data-parallel peer failed); restore from a checkpoint"
+            f"unrecoverable failure set: {gone} (every data-parallel peer failed); restore from a checkpoint"
         )
 
 
