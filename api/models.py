@@ -1,10 +1,14 @@
-"""Request and response bodies of the HTTP API (the wire documents themselves are planner.contract's)."""
+"""Request and response bodies of the HTTP API (the wire documents themselves are planner.contract's).
+
+Request fields are strict: `"2"` is no integer and `"yes"` no boolean (pydantic's lax mode took both);
+an integer is a number.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
 from planner.contract import FailureScenario, JobSpec, Worker
 
@@ -29,9 +33,11 @@ class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     job: JobSpec = Field(description="The job spec (CONTRACT.md section 1).")
-    max_failures: int = Field(default=2, ge=0, description="Precompute plans for up to this many failures.")
-    heartbeat_enabled: bool = Field(default=True, description="Declare silent workers failed.")
-    heartbeat_timeout_s: float | None = Field(
+    max_failures: StrictInt = Field(
+        default=2, ge=0, description="Precompute plans for up to this many failures."
+    )
+    heartbeat_enabled: StrictBool = Field(default=True, description="Declare silent workers failed.")
+    heartbeat_timeout_s: StrictFloat | None = Field(
         default=None,
         ge=0.1,
         le=86400,
@@ -57,8 +63,12 @@ class JobPatch(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    heartbeat_enabled: bool | None = Field(default=None, description="Turn heartbeat failure on or off.")
-    heartbeat_timeout_s: float | None = Field(default=None, ge=0.1, le=86400, description="New timeout.")
+    heartbeat_enabled: StrictBool | None = Field(
+        default=None, description="Turn heartbeat failure on or off."
+    )
+    heartbeat_timeout_s: StrictFloat | None = Field(
+        default=None, ge=0.1, le=86400, description="New timeout."
+    )
 
 
 class JobCreated(BaseModel):
@@ -166,11 +176,11 @@ class EventIn(BaseModel):
         "version). The controller token and the job's worker token may post every kind."
     )
     workers: list[Worker] = Field(min_length=1, max_length=4096, description="Workers [d, s] concerned.")
-    factor: float | None = Field(
+    factor: StrictFloat | None = Field(
         default=None, gt=0, le=1000, description="For slow: the new factor; 1.0 clears slowness."
     )
     reason: str | None = Field(default=None, max_length=1000, description="Free text for the history.")
-    iteration: int | None = Field(
+    iteration: StrictInt | None = Field(
         default=None, ge=0, le=2**53, description="For checkpoint: the stepped count of the checkpoint."
     )
 
@@ -228,8 +238,10 @@ class PlanRequest(BaseModel):
 
     job: JobSpec
     scenario: FailureScenario = Field(default_factory=FailureScenario)
-    time_limit_s: float | None = Field(default=None, gt=0, description="Capped by the service settings.")
-    use_cpsat: bool = True
+    time_limit_s: StrictFloat | None = Field(
+        default=None, gt=0, description="Capped by the service settings."
+    )
+    use_cpsat: StrictBool = True
     repartition: StrictBool = Field(
         default=False,
         description="Choose the layer split too (as a job registered with `repartition: true`); the figures "

@@ -175,6 +175,29 @@ def test_safe_errors_escapes_what_utf8_cannot_encode() -> None:
     json.dumps(error).encode()
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "body", "field"),
+    [
+        ("POST", "/v1/jobs", {"job": JOB, "max_failures": "2"}, "max_failures"),
+        ("POST", "/v1/jobs", {"job": JOB, "heartbeat_enabled": "yes"}, "heartbeat_enabled"),
+        ("POST", "/v1/jobs", {"job": JOB, "heartbeat_timeout_s": "5"}, "heartbeat_timeout_s"),
+        ("PATCH", "/v1/jobs/{job_id}", {"heartbeat_enabled": 1}, "heartbeat_enabled"),
+        ("POST", "/v1/jobs/{job_id}/events", {**SLOW, "factor": "1.5"}, "factor"),
+        ("POST", "/v1/jobs/{job_id}/events", {"event_id": "c", "kind": "checkpoint", "workers": [[0, 0]],
+                                              "iteration": "3"}, "iteration"),
+        ("POST", "/v1/plan", {"job": JOB, "use_cpsat": "false"}, "use_cpsat"),
+    ],
+)  # fmt: skip
+def test_request_fields_are_strict(
+    client: TestClient, job_id: str, method: str, path: str, body: dict[str, Any], field: str
+) -> None:
+    """`"2"` is no integer and `"yes"` no boolean: pydantic's lax mode read `"false"` as False and
+    `"yes"` as True (outside review, session 14)."""
+    r = client.request(method, path.format(job_id=job_id), json=body, headers=CTL)
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"][0]["loc"][-1] == field, r.text
+
+
 def test_non_finite_paths() -> None:
     assert non_finite_paths(b'{"a": [1, {"b": NaN}], "c": 1e999, "d": "NaN"}') == [["a", 1, "b"], ["c"]]
     assert non_finite_paths(b"Infinity") == [[]]
