@@ -7,7 +7,8 @@ pieces, installed by `install_validation(app)` (called from api/errors.py):
 - `NonFiniteBodyMiddleware` refuses such a value anywhere in a JSON body with
   `422 {"detail": [{"type": "finite_number", "loc": ["body", <field>, ...], "msg"}], "error":
   "invalid"}` before any route sees it (also where a model would accept it: a field bounded only
-  from below takes Infinity);
+  from below takes Infinity), and a body that is not text or nests too deeply to parse with a
+  `json_invalid` 422 (FastAPI answered those with a 400);
 - `validation_error_handler` replaces FastAPI's default 422 handler, which echoes each error's
   `input` and failed with a 500 when that input was a non-finite float (the answer is rendered
   with allow_nan=False): non-finite values are never echoed, a lone UTF-16 surrogate (which JSON's
@@ -45,12 +46,22 @@ def _parse_float(text: str) -> float | _NonFinite:
     return value if math.isfinite(value) else _NON_FINITE
 
 
+class UnreadableBody(ValueError):
+    """A body that is no text or nests deeper than the parser goes: FastAPI answered these with an
+    undocumented `400 "There was an error parsing the body"`."""
+
+
 def non_finite_paths(body: bytes) -> list[list[str | int]] | None:
     """The paths (keys and list indexes) of every non-finite number in a JSON body; None when the
-    body is not JSON at all (FastAPI then answers its own json_invalid 422)."""
+    body is not JSON (FastAPI then answers its own json_invalid 422, naming where). Raises
+    UnreadableBody when it is not UTF-8 (or -16/-32) text or nests too deeply to parse."""
     try:
         doc = json.loads(body, parse_constant=lambda _: _NON_FINITE, parse_float=_parse_float)
-    except (ValueError, RecursionError):
+    except UnicodeDecodeError as exc:
+        raise UnreadableBody(f"the body is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    except RecursionError:
+        raise UnreadableBody("the body nests arrays or objects too deeply to parse") from None
+    except ValueError:
         return None
     found: list[list[str | int]] = []
     stack: list[tuple[Any, list[str | int]]] = [(doc, [])]
@@ -81,6 +92,12 @@ def _answer(paths: list[list[str | int]]) -> bytes:
     return json.dumps({"detail": detail, "error": "invalid"}).encode()
 
 
+def _unreadable(why: str) -> bytes:
+    return json.dumps(
+        {"detail": [{"type": "json_invalid", "loc": ["body"], "msg": why}], "error": "invalid"}
+    ).encode()
+
+
 class NonFiniteBodyMiddleware:
     """Answer 422 to a JSON body holding NaN, Infinity, -Infinity or an overflowing number."""
 
@@ -100,9 +117,12 @@ class NonFiniteBodyMiddleware:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        paths = non_finite_paths(body) if body else None
-        if paths:
-            content = _answer(paths)
+        try:
+            paths = non_finite_paths(body) if body else None
+            content = _answer(paths) if paths else None
+        except UnreadableBody as exc:
+            content = _unreadable(str(exc))
+        if content is not None:
             headers = [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(content)).encode()),

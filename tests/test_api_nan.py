@@ -198,6 +198,21 @@ def test_request_fields_are_strict(
     assert r.json()["detail"][0]["loc"][-1] == field, r.text
 
 
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [(b'{"event_id": "\xff\xfe"}', "not UTF-8 text"), (b"[" * 100_000 + b"]" * 100_000, "too deeply")],
+)
+def test_an_unreadable_body_is_a_json_invalid_422(
+    client: TestClient, job_id: str, body: bytes, why: str
+) -> None:
+    """FastAPI answered these 400 "There was an error parsing the body", a status the API does not
+    document for them."""
+    r = client.post(f"/v1/jobs/{job_id}/events", content=body, headers=CTL)
+    assert r.status_code == 422, r.text
+    (error,) = strict_json(r.text)["detail"]
+    assert error["type"] == "json_invalid" and error["loc"] == ["body"] and why in error["msg"], r.text
+
+
 def test_non_finite_paths() -> None:
     assert non_finite_paths(b'{"a": [1, {"b": NaN}], "c": 1e999, "d": "NaN"}') == [["a", 1, "b"], ["c"]]
     assert non_finite_paths(b"Infinity") == [[]]
