@@ -101,7 +101,8 @@ async def answer_poll(app: FastAPI, scope: Scope, receive: Receive, send: Send) 
             return False
         w = (d, s)
     inm = headers.get(b"if-none-match")
-    after = max(int(params.get("after_version", "0")), etag_version(None if inm is None else inm.decode()))
+    named = etag_version(None if inm is None else inm.decode("latin-1"), rt.version)
+    after = max(int(params.get("after_version", "0")), named)
     wait = float(params.get("wait", "0"))
     beat = principal.token_job == job_id
     body, etag, most = await long_poll(service, rt, w, after, wait, receive, heartbeat=beat)

@@ -102,6 +102,9 @@ def test_plain_polls_are_served_and_equal(ctx: tuple[TestClient, dict[str, Any]]
         for headers in (worker, CTL, {**worker, **inm[0]}, {**CTL, **inm[1]}):
             assert compare(c, base + query, headers), (query, headers)
     assert c.get(base + f"?after_version={v}&wait=0.01", headers=worker).status_code == 304
+    # "*" matches any current version (RFC 9110): it answered the whole schedule again.
+    assert compare(c, base, {**worker, "If-None-Match": "*"})
+    assert c.get(base, headers={**worker, "If-None-Match": "*"}).status_code == 304
 
 
 def test_errors_are_left_to_the_route(ctx: tuple[TestClient, dict[str, Any]]) -> None:
@@ -122,12 +125,16 @@ def test_errors_are_left_to_the_route(ctx: tuple[TestClient, dict[str, Any]]) ->
         (base + "?worker=0,1&worker=1,0", worker),
         (base + "?after_version=-1", worker),
         (base + "?wait=-1", worker),
+        (base + "?wait=nan", worker),  # 422 "a finite number", not ">= 0"
+        (base + "?wait=inf", worker),
         (base + "?wait=1e-3", worker),
         (base + "?after_version=", worker),
     ]
     for url, headers in cases:
         served = compare(c, url, headers)
         assert not served, url
+    r = c.get(base + "?wait=nan", headers=worker)
+    assert r.status_code == 422 and "finite" in r.json()["detail"][0]["msg"], r.text
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))

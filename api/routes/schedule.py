@@ -41,10 +41,13 @@ def parse_worker(text: str, rt: JobRuntime) -> tuple[int, int]:
     return d, s
 
 
-def etag_version(if_none_match: str | None) -> int:
-    """The version an If-None-Match header names ("7", W/"7"), 0 when none or not a version."""
+def etag_version(if_none_match: str | None, current: int) -> int:
+    """The version an If-None-Match header names ("7", W/"7"; "*", any version: the `current` one),
+    0 when none or not a version."""
     if not if_none_match:
         return 0
+    if if_none_match.strip() == "*":
+        return current
     text = if_none_match.strip().removeprefix("W/").strip('"')
     return int(text) if text.isdigit() else 0
 
@@ -133,13 +136,15 @@ async def get_schedule(
         str | None, Query(description="d,s: this worker's view; a heartbeat with the job's worker token")
     ] = None,
     after_version: Annotated[int, Query(ge=0, description="Wait for a version newer than this")] = 0,
-    wait: Annotated[float, Query(ge=0, description="Seconds to wait (capped by the service)")] = 0.0,
+    wait: Annotated[
+        float, Query(ge=0, allow_inf_nan=False, description="Seconds to wait (capped by the service)")
+    ] = 0.0,
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:
     """The current schedule version, at once if newer than after_version, else after up to `wait` s."""
     rt = service.get(job_id)
     w = None if worker is None else parse_worker(worker, rt)
-    after = max(after_version, etag_version(if_none_match))
+    after = max(after_version, etag_version(if_none_match, rt.version))
     beat = principal.token_job == job_id
     body, etag, most = await long_poll(service, rt, w, after, wait, request.receive, heartbeat=beat)
     headers = {"ETag": etag, WAIT_HEADER: most}
