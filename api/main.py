@@ -114,8 +114,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     install_error_handlers(app)
-    for module in (jobs, events, schedule, plan, health, pages):
+    modules = (jobs, events, schedule, plan, health, pages)
+    for module in modules:
         app.include_router(module.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(TimingMiddleware, metrics=metrics)
+    # The routes by template for requests answered before routing (the included routers' own routes:
+    # FastAPI wraps each included router in one entry of app.router.routes).
+    routes = [*app.router.routes, *(r for module in modules for r in module.router.routes)]
+    app.add_middleware(TimingMiddleware, metrics=metrics, routes=routes)
     return app

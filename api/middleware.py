@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.metrics import Metrics
@@ -65,11 +67,25 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
+def route_label(scope: Scope, routes: Sequence[BaseRoute]) -> str:
+    """The route template a request is counted under: the route that served it, else the route its
+    path names (a request answered before routing, a 413 or a NaN 422, or by a plain Starlette route
+    such as /openapi.json), else `unmatched` (a path no route serves: no label per stray URL)."""
+    route = scope.get("route")
+    if route is not None:
+        return str(getattr(route, "path", "unmatched"))
+    for candidate in routes:
+        path = getattr(candidate, "path", None)  # an included router has none: its routes are listed
+        if path is not None and candidate.matches(scope)[0] is not Match.NONE:
+            return str(path)
+    return "unmatched"
+
+
 class TimingMiddleware:
     """Observe request latency per route template, method and status."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: Sequence[BaseRoute] = ()) -> None:
+        self.app, self.metrics, self.routes = app, metrics, routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -86,7 +102,6 @@ class TimingMiddleware:
         try:
             await self.app(scope, receive, timed_send)
         finally:
-            route = scope.get("route")
             self.metrics.request_seconds.labels(
-                route=getattr(route, "path", "unmatched"), method=scope["method"], status=str(status["code"])
+                route=route_label(scope, self.routes), method=scope["method"], status=str(status["code"])
             ).observe(time.perf_counter() - t0)

@@ -337,6 +337,23 @@ def test_metrics_move_with_a_new_job_and_an_event(client: TestClient) -> None:
     assert solves == total(after, "recycle_solve_duration_seconds_count", purpose="event")
 
 
+def test_requests_answered_before_routing_count_under_their_route(client: TestClient) -> None:
+    """A NaN 422 (answered by middleware), /openapi.json (a plain Starlette route) and a 405 were all
+    counted under route="unmatched"; only a path no route serves is."""
+    count = "recycle_http_request_duration_seconds_count"
+    cases = [
+        ("POST", "/v1/plan", '{"job": NaN}', {"route": "/v1/plan", "status": "422"}),
+        ("GET", "/openapi.json", None, {"route": "/openapi.json", "status": "200"}),
+        ("PUT", "/v1/plan", None, {"route": "/v1/plan", "status": "405"}),
+        ("GET", "/no/such/path", None, {"route": "unmatched", "status": "404"}),
+    ]
+    for method, path, body, labels in cases:
+        before = total(scrape(client), count, method=method, **labels)
+        headers = {**CTL, "Content-Type": "application/json"}
+        client.request(method, path, content=body, headers=headers)
+        assert total(scrape(client), count, method=method, **labels) == before + 1, (method, path)
+
+
 def test_metrics_in_multiprocess_mode(tmp_path: Path) -> None:
     """With PROMETHEUS_MULTIPROC_DIR, counters add up over processes; a closed process's gauges go."""
     script = (
