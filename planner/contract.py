@@ -14,8 +14,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    NonNegativeFloat,
-    NonNegativeInt,
     Strict,
     ValidationError,
     model_validator,
@@ -27,6 +25,9 @@ MAX_TOTAL = 1e30  # an iteration's summed ms or MiB: far beyond any job, far bel
 
 Index = Annotated[int, Strict(), Field(ge=0)]
 """A 0-based index: an integer, not `true`, `"1"` or `1.0` (a boolean read as 1 once failed a stage)."""
+
+Amount = Annotated[float, Strict(), Field(ge=0)]
+"""A duration (ms) or size (MiB): a number, not `true` or `"1"`; an integer is a number."""
 
 Worker = tuple[Index, Index]
 """A worker `[d, s]`: pipeline d, stage s."""
@@ -53,16 +54,16 @@ class _Doc(BaseModel):
 class StageProfile(_Doc):
     """Profile of one pipeline stage: op durations (ms) and memory per micro-batch (MiB)."""
 
-    forward: NonNegativeFloat = Field(description="Duration of one micro-batch's F at this stage, ms.")
-    backward_input: NonNegativeFloat = Field(
+    forward: Amount = Field(description="Duration of one micro-batch's F at this stage, ms.")
+    backward_input: Amount = Field(
         description="Duration of B (input-gradient backward), ms. A fused BW takes B + W."
     )
-    backward_weight: NonNegativeFloat = Field(description="Duration of W (weight-gradient backward), ms.")
-    optimizer: NonNegativeFloat = Field(description="Duration of the optimizer step in OPT, ms.")
-    activation_mib: NonNegativeFloat = Field(
+    backward_weight: Amount = Field(description="Duration of W (weight-gradient backward), ms.")
+    optimizer: Amount = Field(description="Duration of the optimizer step in OPT, ms.")
+    activation_mib: Amount = Field(
         description="Memory a micro-batch holds on its host from the start of its F to the end of its B/BW."
     )
-    weight_grad_mib: NonNegativeFloat = Field(
+    weight_grad_mib: Amount = Field(
         description="Memory a micro-batch holds from the end of its B to the end of its W."
     )
 
@@ -71,13 +72,13 @@ class LayerProfile(_Doc):
     """Profile of one model layer (optional job-spec field `layers`, issue 12): op durations (ms),
     memory per micro-batch (MiB) and the resident memory of its parameters and optimizer state."""
 
-    forward: NonNegativeFloat = Field(description="This layer's share of a micro-batch's F, ms.")
-    backward_input: NonNegativeFloat = Field(description="Its share of B, ms.")
-    backward_weight: NonNegativeFloat = Field(description="Its share of W, ms.")
-    activation_mib: NonNegativeFloat = Field(description="Its share of a micro-batch's activations.")
-    weight_grad_mib: NonNegativeFloat = Field(description="Its share of a deferred weight gradient.")
-    param_mib: NonNegativeFloat = Field(default=0.0, description="Parameters + their gradient buffer.")
-    optimizer_state_mib: NonNegativeFloat = Field(default=0.0, description="e.g. Adam's moments.")
+    forward: Amount = Field(description="This layer's share of a micro-batch's F, ms.")
+    backward_input: Amount = Field(description="Its share of B, ms.")
+    backward_weight: Amount = Field(description="Its share of W, ms.")
+    activation_mib: Amount = Field(description="Its share of a micro-batch's activations.")
+    weight_grad_mib: Amount = Field(description="Its share of a deferred weight gradient.")
+    param_mib: Amount = Field(default=0.0, description="Parameters + their gradient buffer.")
+    optimizer_state_mib: Amount = Field(default=0.0, description="e.g. Adam's moments.")
 
 
 def _extra_error(field: str, exc: ValidationError) -> ValueError:
@@ -135,13 +136,13 @@ class Comm(_Doc):
     # Optional extra `migration_mib_per_ms` (issue 12; absent: derived, planner/partition/layers.py):
     # link bandwidth for moving a layer's parameters and optimizer state between workers.
 
-    activation_ms: NonNegativeFloat = Field(
+    activation_ms: Amount = Field(
         description="Moving an activation or gradient between consecutive stages in the same pipeline."
     )
-    cross_pipeline_ms: NonNegativeFloat = Field(
+    cross_pipeline_ms: Amount = Field(
         description="The same hop when the two hosts are in different pipelines (re-routed hops)."
     )
-    allreduce_ms: NonNegativeFloat | list[NonNegativeFloat] = Field(
+    allreduce_ms: Amount | list[Amount] = Field(
         description="A stage's gradient all-reduce among its alive peers: one number or one per stage."
     )
 
@@ -173,7 +174,7 @@ class JobSpec(_Doc):
     )
     stages: list[StageProfile] = Field(description="Exactly num_stages profiles; entry s profiles stage s.")
     comm: Comm = Field(description="Communication costs.")
-    memory_capacity_mib: NonNegativeFloat | list[NonNegativeFloat] | None = Field(
+    memory_capacity_mib: Amount | list[Amount] | None = Field(
         default=None,
         description="Peak memory per worker for activations and deferred weight gradients "
         "(one number or one per stage); absent means unlimited.",
@@ -277,7 +278,9 @@ class SlowWorker(_Doc):
     """An alive worker whose every op takes `factor` times its profiled time."""
 
     worker: Worker = Field(description="The slow worker [d, s].")
-    factor: float = Field(gt=0, le=1000, description="Multiplier on every op duration of this worker.")
+    factor: Annotated[float, Strict()] = Field(
+        gt=0, le=1000, description="Multiplier on every op duration of this worker."
+    )
 
 
 class FailureScenario(_Doc):
@@ -360,17 +363,17 @@ class WorkerSchedule(_Doc):
 class LayerMove(_Doc):
     """Layers [a, b) move from `from_stage` to `to_stage` in every pipeline."""
 
-    layers: tuple[NonNegativeInt, NonNegativeInt] = Field(description="Half-open layer range [a, b).")
-    from_stage: NonNegativeInt = Field(description="The stage that holds them in the job's partition.")
-    to_stage: NonNegativeInt = Field(description="The stage that holds them in this schedule's.")
+    layers: tuple[Index, Index] = Field(description="Half-open layer range [a, b).")
+    from_stage: Index = Field(description="The stage that holds them in the job's partition.")
+    to_stage: Index = Field(description="The stage that holds them in this schedule's.")
 
 
 class Migration(_Doc):
     """What a schedule's partition moves relative to the job's (per pipeline) and how long it takes."""
 
     moves: list[LayerMove] = Field(default_factory=list, description="Moved layer ranges.")
-    mib: NonNegativeFloat = Field(description="Parameters + optimizer state moved per pipeline, MiB.")
-    estimated_ms: NonNegativeFloat = Field(
+    mib: Amount = Field(description="Parameters + optimizer state moved per pipeline, MiB.")
+    estimated_ms: Amount = Field(
         description="The busiest sender's MiB (a live peer also sends the copies of its failed peers' "
         "pipelines) over comm.migration_mib_per_ms, ms."
     )

@@ -50,6 +50,26 @@ def test_grid_counts_are_integers(field: str, value: Any) -> None:
     JobSpec.model_validate_json(json.dumps(JOB))  # the shipped example still reads
 
 
+@pytest.mark.parametrize("value", [True, "1.5"])
+@pytest.mark.parametrize("where", ["stage", "comm", "capacity", "slow"])
+def test_figures_are_numbers(where: str, value: Any) -> None:
+    """A duration `true` was read as 1 ms, `"1.5"` as 1.5: a spec written by a broken generator
+    planned (outside review, session 14). Integers stay numbers."""
+    doc = json.loads(json.dumps(JOB))
+    if where == "slow":
+        with pytest.raises(ValidationError, match="factor"):
+            FailureScenario.model_validate({"slow": [{"worker": [0, 0], "factor": value}]})
+        assert FailureScenario.model_validate({"slow": [{"worker": [0, 0], "factor": 2}]}).slow[0].factor == 2
+        return
+    target, key = {"stage": (doc["stages"][0], "forward"), "comm": (doc["comm"], "activation_ms"),
+                   "capacity": (doc, "memory_capacity_mib")}[where]  # fmt: skip
+    target[key] = value
+    with pytest.raises(ValidationError, match=key):
+        JobSpec.model_validate_json(json.dumps(doc))
+    target[key] = 3
+    JobSpec.model_validate_json(json.dumps(doc))
+
+
 def test_service_refuses_a_boolean_worker(tmp_path: Path) -> None:
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
