@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from planner.cli_io import finite_float
+from planner.cli_io import Once, finite_float
 from planner.contract import FailureScenario, JobSpec, Schedule
 from planner.errors import InvalidInputError, ScheduleRuleError, UnrecoverableScenarioError
 from planner.outputs.gantt_stages import STAGE_VIEW_ABOVE
@@ -153,7 +153,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--slow", action="append", default=[], metavar="D,S:FACTOR", help="a slow worker (repeatable)"
     )
-    p.add_argument("--scenario", help="failure scenario JSON (docs/contract.md section 2); flags add to it")
+    p.add_argument(
+        "--scenario", action=Once, help="failure scenario JSON (docs/contract.md section 2); flags add to it"
+    )
     p.add_argument("-o", "--output", help="write the schedule JSON here (missing directories are created)")
     p.add_argument(
         "--gantt", metavar="PATH.png|PATH.svg", help="write a Gantt chart here (PNG or SVG, by suffix)"
@@ -189,7 +191,9 @@ def add_validate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignor
     v = sub.add_parser("validate", help="replay a schedule and print its figures or the rule it breaks")
     v.add_argument("job", help="job spec JSON (docs/contract.md section 1)")
     v.add_argument("schedule", help="schedule JSON (docs/contract.md section 3)")
-    v.add_argument("--scenario", help="failure scenario JSON (default: the schedule's own failed/slow)")
+    v.add_argument(
+        "--scenario", action=Once, help="failure scenario JSON (default: the schedule's own failed/slow)"
+    )
     v.add_argument(
         "--iterations",
         type=int,

@@ -9,7 +9,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -96,6 +96,22 @@ def build_scenario(scenario_path: str | None, fails: list[str], slows: list[str]
         return FailureScenario(failed=failed, slow=slow)
     except ValidationError as exc:
         raise InvalidInputError(f"failure scenario:\n{describe_validation_error(exc)}") from exc
+
+
+class Once(argparse.Action):
+    """A flag that may be given once: a second one is an error (argparse's default keeps the last,
+    silently dropping the first, e.g. one of two --scenario files)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option: str | None = None,
+    ) -> None:
+        if getattr(namespace, self.dest, None) not in (None, self.default):
+            parser.error(f"{option} given twice; give it once")
+        setattr(namespace, self.dest, values)
 
 
 PICTURE_SUFFIXES = (".png", ".svg")

@@ -226,3 +226,9 @@ def test_an_output_nothing_can_write_is_refused_before_planning(
     if not Path("/proc/version").exists():
         pytest.skip("no /proc here")
     refused(["plan", JOB, "--fail", "0,1", "-o", target], message, capsys)
+
+
+@pytest.mark.parametrize("command", [["plan", JOB], ["validate", JOB, "s.json"]])
+def test_a_second_scenario_file_is_refused(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """The last --scenario won and the first was dropped without a word."""
+    refused([*command, "--scenario", "a.json", "--scenario", "b.json"], "--scenario given twice", capsys)
