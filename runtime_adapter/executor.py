@@ -54,7 +54,7 @@ from runtime_adapter.lowering import (
     Program,
     lower,
 )
-from runtime_adapter.stage import StageRunner
+from runtime_adapter.stage import StageRunner, UserCodeError
 from runtime_adapter.stall import StallWatch
 from runtime_adapter.training import apply_lr, build_optimizer, clip_gradients
 
@@ -304,8 +304,16 @@ class _IterationRun:
         return buf.to(self.ex.runner.device)
 
     def _send(self, ins: Instr, tensor: torch.Tensor) -> None:
-        groups = self.ex.groups
+        groups, runner = self.ex.groups, self.ex.runner
         assert groups is not None and ins.peer is not None
+        expected = runner.output_shape if ins.kind == SEND_ACT else runner.input_shape
+        if tuple(tensor.shape) != tuple(expected):  # the receiver's buffer has `expected`'s size
+            what = "output" if ins.kind == SEND_ACT else "input gradient"
+            raise UserCodeError(
+                f"stage {runner.stage}'s {what} of micro-batch {list(ins.mb or ())} has shape "
+                f"{list(tensor.shape)}, but the boundary is {list(expected)} (Training.activation_shape, or "
+                "what micro-batch [0, 0] of iteration 0 gave): every micro-batch must give one shape"
+            )
         wire = tensor.detach().to("cpu", self.ex.runner.training.boundary_dtype).contiguous()
         self.sends.append(groups.world.send([wire], groups.world_rank[ins.peer], ins.tag))
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from runtime_adapter.profile import MIB, StageMeasurement, profile_stages
-from runtime_adapter.training import LayerRanges, Training, build_stage_module
+from runtime_adapter.training import LayerRanges, Training, build_optimizer, build_stage_module
 
 SCALED = ("forward", "backward_input", "backward_weight", "activation_mib", "weight_grad_mib")
 
@@ -68,7 +68,7 @@ def _resident_mib(training: Training, stage: int, num_stages: int) -> tuple[floa
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     for p in params:
         p.grad = torch.zeros_like(p)
-    opt = training.optimizer(params)
+    opt = build_optimizer(training, params)  # a parameter-free layer (ReLU) gets NoParameters
     opt.step()
     state = sum(
         t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)

@@ -141,8 +141,9 @@ class JobMonitor:
 
 
 def log_error(path: Path, max_lines: int = 3) -> str:
-    """The error at the end of a worker log: the exception line after a traceback, else its last
-    non-empty lines (joined with " | ")."""
+    """The error at the end of a worker log: the worker's own one-line error (`error: ...`, the
+    exit-2 convention), the exception line after a traceback, else its last non-empty lines (joined
+    with " | ")."""
     try:
         with path.open("rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
@@ -151,6 +152,8 @@ def log_error(path: Path, max_lines: int = 3) -> str:
         return f"(no log: {e})"
     if not lines:
         return "(empty log)"
+    if lines[-1].startswith("error: "):
+        return lines[-1].removeprefix("error: ")
     if any(ln.startswith("Traceback (most recent call last)") for ln in lines):
         return lines[-1]
     return " | ".join(lines[-max_lines:])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +30,40 @@ Shape = tuple[int, ...]
 
 class NondeterministicDataError(InvalidInputError):
     """Two reads of the same micro-batch differ: exact replay after a failure would be wrong."""
+
+
+class UserCodeError(InvalidInputError):
+    """The training's own code (its data function, a stage's forward, the loss) raised, or returned
+    what the runtime cannot use. Deterministic: re-routing the micro-batch to a peer would raise the
+    same there, so the worker leaves with exit 2 and the launch stops with this line."""
+
+
+# What a device fault (a GPU's, not the code's) says; those stay failures that re-routing handles.
+DEVICE_FAULT_MARKS = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "NCCL", "ECC error")
+
+
+def device_fault(e: BaseException) -> bool:
+    """Whether `e` is the device failing (torch.AcceleratorError, CUDA/cuBLAS/cuDNN/NCCL errors)
+    rather than the user's code."""
+    accelerator = getattr(torch, "AcceleratorError", None)
+    if accelerator is not None and isinstance(e, accelerator):
+        return True
+    return any(mark in str(e) for mark in DEVICE_FAULT_MARKS)
+
+
+@contextlib.contextmanager
+def user_code(what: str) -> Iterator[None]:
+    """Run the user's code `what` (e.g. "data(3, 0, 1)"): an exception from it becomes a
+    UserCodeError naming `what` and the exception's first line, unless it is a device fault."""
+    try:
+        yield
+    except InvalidInputError:
+        raise
+    except Exception as e:
+        if device_fault(e):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UserCodeError(f"{what} raised {type(e).__name__}: {first}") from e
 
 
 def _on_meta(t: torch.Tensor) -> torch.Tensor:
@@ -97,7 +131,7 @@ def check_training(
     """What can be checked before any process starts, each with its own one-line error: the data
     function (two reads of a few micro-batches agree, and they have the same shapes and dtypes: the
     stages exchange fixed-shape activations), every stage builds on the meta device and returns an
-    nn.Module without running statistics, and the boundary shapes (returned)."""
+    nn.Module without running statistics, the boundary shapes (returned), and the loss's result."""
     first: tuple[tuple[int, int, int], list[tuple[torch.Size, torch.dtype]]] | None = None
     for it, d, m in data_samples(num_pipelines, num_microbatches):
         try:
@@ -139,7 +173,45 @@ def check_training(
                 "re-routed or replayed micro-batch would update them twice (use track_running_stats=False, "
                 "or a LayerNorm)"
             )
-    return infer_shapes(training, num_stages)
+    shapes = infer_shapes(training, num_stages)
+    check_loss_on_meta(training, num_stages)
+    return shapes
+
+
+def checked_loss(loss: object, where: str) -> torch.Tensor:
+    """`loss` if it is a floating-point tensor of one element (what backward and the loss sums need),
+    else UserCodeError naming `where` ("micro-batch [0, 1] of iteration 3") and what it was."""
+    if isinstance(loss, torch.Tensor) and loss.is_floating_point() and loss.numel() == 1:
+        return loss
+    got = (
+        f"a {loss.dtype} tensor of shape {list(loss.shape)}"
+        if isinstance(loss, torch.Tensor)
+        else f"a {type(loss).__name__}"
+    )
+    raise UserCodeError(
+        f"the loss of {where} returned {got}: it must return a floating-point tensor of one element "
+        "(reduce it: the mean over the micro-batch)"
+    )
+
+
+def check_loss_on_meta(training: Training, num_stages: int) -> None:
+    """Micro-batch (0, 0, 0) through every stage and the loss on the meta device (no memory, no
+    compute): a loss that is no one-element float tensor is refused before start. A model that does
+    not run on meta (it sets `activation_shape`, or a meta run raises) is left to the first
+    iteration, where an error is named the same way."""
+    if training.activation_shape is not None:
+        return
+    try:
+        inputs, targets = training.data(0, 0, 0)
+        x, t = _on_meta(inputs), _on_meta(targets)
+        with torch.device("meta"), torch.no_grad():
+            for s in range(num_stages):
+                x = build_stage_module(training, s, num_stages)(x)
+                x = x.to(training.boundary_dtype) if s < num_stages - 1 else x
+            loss = training.loss(x, t)
+    except Exception:
+        return
+    checked_loss(loss, "micro-batch [0, 0] of iteration 0 (checked on the meta device)")
 
 
 def data_samples(num_pipelines: int, num_microbatches: int) -> list[tuple[int, int, int]]:
@@ -245,10 +317,11 @@ class StageRunner:
         """(inputs on stage 0, targets on the last stage) of micro-batch [d, m], on the device."""
         if not (self.is_first or self.is_last):
             return None, None
-        if self.check_data or self.training.check_data:
-            inputs, targets = read_checked(self.training, iteration, d, m)
-        else:
-            inputs, targets = self.training.data(iteration, d, m)
+        with user_code(f"data({iteration}, {d}, {m})"):
+            if self.check_data or self.training.check_data:
+                inputs, targets = read_checked(self.training, iteration, d, m)
+            else:
+                inputs, targets = self.training.data(iteration, d, m)
         return (
             inputs.to(self.device) if self.is_first else None,
             targets.to(self.device) if self.is_last else None,
@@ -271,9 +344,18 @@ class StageRunner:
             if tr.autocast is not None
             else contextlib.nullcontext()
         )
+        where = f"micro-batch {list(mb)} of iteration {iteration}"
         with autocast:
-            out = module(inp)
+            with user_code(f"stage {self.stage}'s forward of {where}"):
+                out = module(inp)
             if self.is_last:
                 assert targets is not None, "the last stage needs targets"
-                return tr.loss(out, targets).float()
+                with user_code(f"the loss of {where}"):
+                    loss = tr.loss(out, targets)
+                return checked_loss(loss, where).float()
+        if not isinstance(out, torch.Tensor):
+            raise UserCodeError(
+                f"stage {self.stage}'s forward of {where} returned a {type(out).__name__}: a stage before "
+                "the last must return one tensor (its activation, sent to the next stage)"
+            )
         return out.to(tr.boundary_dtype)

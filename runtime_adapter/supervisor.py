@@ -134,7 +134,7 @@ class Supervisor(WorkerProcesses):
             # non-deterministic mid-run): re-routing would only move it to the next worker.
             if (first and it is None and code > 0 and code not in PROTOCOL_EXITS) or code == 2:
                 self.terminate()
-                raise WorkerStartupError(w, code, log_error(log), log, at_start=it is None)
+                raise WorkerStartupError(w, code, log_error(log), log, at_start=it is None and code != 2)
             if code == EXIT_NEEDS_RESTORE:
                 lost = self.lost_state(w, p.pid)
                 if lost is not None and self.followed is not None and self.followed.version > lost[0]:

@@ -83,6 +83,30 @@ def drifting(**kwargs: Any) -> Training:
     return dataclasses.replace(base, data=data)
 
 
+def exhausted(**kwargs: Any) -> Training:
+    """The reference GPT whose data function raises from iteration 2 on (its own bug, mid-run)."""
+    base = gpt(**kwargs)
+
+    def data(iteration: int, pipeline: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if iteration >= 2:
+            raise IndexError("dataset exhausted")
+        return base.data(iteration, pipeline, microbatch)
+
+    return dataclasses.replace(base, data=data)
+
+
+def shorter_from_iteration_2(**kwargs: Any) -> Training:
+    """The reference GPT whose micro-batches hold one sample fewer from iteration 2 on: stage 0's
+    output no longer has the boundary's shape."""
+    base = gpt(**kwargs)
+
+    def data(iteration: int, pipeline: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, targets = base.data(iteration, pipeline, microbatch)
+        return (tokens[:-1], targets[:-1]) if iteration >= 2 else (tokens, targets)
+
+    return dataclasses.replace(base, data=data)
+
+
 def bad_optimizer(**kwargs: Any) -> Training:
     """The reference GPT whose optimizer factory refuses its learning rate (torch raises)."""
     return dataclasses.replace(gpt(**kwargs), optimizer=lambda params: torch.optim.SGD(params, lr=-1.0))

@@ -77,3 +77,26 @@ def test_a_model_of_plain_layers_has_no_extras() -> None:
     model = layer_model(job)
     for ex in model.extras:
         assert all(v == pytest.approx(0.0, abs=1e-9) for v in ex.values())
+
+
+@pytest.mark.timeout(60)
+def test_a_layer_without_parameters_is_measured() -> None:
+    """[Linear, ReLU, Linear]: the ReLU's optimizer raised "optimizer got an empty parameter list" and
+    `recycle profile --layers` ended in a traceback (outside review, session 14)."""
+    import dataclasses
+
+    import torch
+
+    from runtime_adapter.training import layer_ranges_from_layers, stages_from_layers
+
+    def layers() -> list[torch.nn.Module]:
+        torch.manual_seed(3)
+        return [torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)]
+
+    training = dataclasses.replace(
+        layer_list_training(), stage=stages_from_layers(layers), layer_ranges=layer_ranges_from_layers(layers)
+    )
+    measured = profile_layers(training, 1, 1, repeats=1, warmup=0)
+    assert len(measured) == 3
+    relu = measured.layers[1]
+    assert relu["param_mib"] == 0 and relu["optimizer_state_mib"] == 0, relu

@@ -240,3 +240,23 @@ def test_check_data_stops_the_launch_when_the_data_function_drifts(
     assert main(launch(inputs, tmp_path / "run", *extra)) == 2
     err = capsys.readouterr().err
     assert "stopped with bad input with exit code 2" in err and "pure function" in err, err
+
+
+@pytest.mark.parametrize(
+    ("entry", "needle"),
+    [
+        ("exhausted", "data(2, 0, 0) raised IndexError: dataset exhausted"),
+        ("shorter_from_iteration_2", "stage 0's output of micro-batch [0, 0] has shape"),
+    ],
+)
+def test_an_error_in_the_users_code_mid_run_stops_the_launch_with_its_line(
+    inputs: tuple[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str], entry: str, needle: str
+) -> None:
+    """Raised again on every peer it was re-routed to, it was taken for failures until a stage was
+    lost ("no checkpoint"), the error only in a worker log; a shape that changed aborted the receiver
+    in gloo. Now exit 2 with the worker's line."""
+    extra = ["--entry", f"tests.library_entries:{entry}", "--iterations", "4"]
+    assert main(launch(inputs, tmp_path / "run", *extra)) == 2
+    err = capsys.readouterr().err
+    assert "stopped with bad input with exit code 2" in err and needle in err, err
+    assert "lost" not in err and "Traceback" not in err, err

@@ -79,6 +79,11 @@ def test_last_step_and_log_error(tmp_path: Path) -> None:
     assert log_error(log) == "ValueError: bad model"
     log.write_text("a\nb\n\nc\nd\n")
     assert log_error(log) == "b | c | d"
+    log.write_text(
+        "a\nINFO running v1\nERROR __main__ data(2, 0, 0) raised IndexError: x\n"
+        "error: data(2, 0, 0) raised IndexError: x\n"
+    )
+    assert log_error(log) == "data(2, 0, 0) raised IndexError: x"  # the worker's own line, alone
     assert log_error(tmp_path / "missing.log").startswith("(no log")
 
 

@@ -24,7 +24,13 @@ from runtime_adapter.executor import Executor
 from runtime_adapter.launch import Launcher, LaunchSpec, WorkerStartupError
 from runtime_adapter.model import GPTConfig, gpt_training
 from runtime_adapter.reference import relative_error, train_reference
-from runtime_adapter.stage import NondeterministicDataError, StageRunner, check_training, infer_shapes
+from runtime_adapter.stage import (
+    NondeterministicDataError,
+    StageRunner,
+    UserCodeError,
+    check_training,
+    infer_shapes,
+)
 from runtime_adapter.training import GradClip, clip_gradients, microbatch_seed, split_bounds
 from tests.jobs import tiny_job
 from tests.test_runtime_process import planner_schedules, records
@@ -65,6 +71,11 @@ def test_checks_before_start() -> None:
     training = gpt_training(GPTConfig(hidden=16, num_heads=2, seq_len=8, microbatch_size=3))
     inferred = infer_shapes(training.__class__(**{**training.__dict__, "activation_shape": None}), 4)
     assert check_training(training, 4, 2, 2) == inferred == [(3, 8, 16)] * 3
+    # a loss that is not one element (reduction="none"): refused before start, on the meta device
+    meta = training.__class__(**{**training.__dict__, "activation_shape": None})
+    per_sample = meta.__class__(**{**meta.__dict__, "loss": lambda o, t: meta.loss(o, t).expand(3)})
+    with pytest.raises(UserCodeError, match=r"returned a torch.float32 tensor of shape \[3\]"):
+        check_training(per_sample, 4, 2, 2)
 
 
 @given(st.integers(1, 40), st.integers(1, 12))
