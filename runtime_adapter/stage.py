@@ -173,9 +173,38 @@ def check_training(
                 "re-routed or replayed micro-batch would update them twice (use track_running_stats=False, "
                 "or a LayerNorm)"
             )
+    check_layer_ranges(training, num_stages)
     shapes = infer_shapes(training, num_stages)
     check_loss_on_meta(training, num_stages)
     return shapes
+
+
+def _param_shapes(module: nn.Module) -> list[Shape]:
+    return [tuple(p.shape) for p in module.parameters()]
+
+
+def check_layer_ranges(training: Training, num_stages: int) -> None:
+    """`layer_ranges.home(P)` must be the split `stage(s, P)` builds (a re-partition moves layers from
+    there, and a job spec's `partition` is derived from it): every stage's parameters (their shapes,
+    in order; names may differ) from both builders are compared on the meta device."""
+    ranges = training.layer_ranges
+    if ranges is None:
+        return
+    for s, held in enumerate(ranges.home(num_stages)):
+        try:
+            with torch.device("meta"):
+                own = _param_shapes(build_stage_module(training, s, num_stages))
+                torch.manual_seed(training.seed)
+                ranged = _param_shapes(ranges.build(s, num_stages, held))
+        except Exception:  # the builders' own errors are named by the checks before this one
+            return
+        if own != ranged:
+            raise InvalidInputError(
+                f"stage {s} of {num_stages}: stage() builds {len(own)} parameter tensors, "
+                f"layer_ranges.build(layers {held.start}-{held.stop - 1}) {len(ranged)} (or other shapes): "
+                "stage() must build the split layer_ranges.home(P) gives, the even one (split_bounds): "
+                "a model split with stages_from_layers(..., split) cannot also have layer_ranges"
+            )
 
 
 def checked_loss(loss: object, where: str) -> torch.Tensor:

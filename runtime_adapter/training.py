@@ -163,9 +163,26 @@ def stages_from_layers(
     def stage(s: int, num_stages: int) -> nn.Module:
         layers = list(build_layers())
         bounds = split_bounds(len(layers), num_stages, split)
+        _refuse_tied(layers, bounds, s)
         return nn.Sequential(*layers[bounds[s] : bounds[s + 1]])
 
     return stage
+
+
+def _refuse_tied(layers: Sequence[nn.Module], bounds: list[int], s: int) -> None:
+    """ValueError when a layer of stage `s` shares a parameter with a layer of another stage (weights
+    tied across stages, e.g. an embedding and the output head): each stage would step its own copy."""
+    own = range(bounds[s], bounds[s + 1])
+    mine = {id(p): j for j in own for p in layers[j].parameters()}
+    for j, layer in enumerate(layers):
+        if j in own:
+            continue
+        for p in layer.parameters():
+            if id(p) in mine:
+                raise ValueError(
+                    f"layers {mine[id(p)]} and {j} share a parameter but fall on different stages (tied "
+                    "weights): each stage would train its own copy; untie them"
+                )
 
 
 def layer_ranges_from_layers(build_layers: Callable[[], Sequence[nn.Module]]) -> LayerRanges:

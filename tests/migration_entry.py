@@ -19,6 +19,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from runtime_adapter import model
@@ -42,7 +43,8 @@ def training(
     armed = []  # die_switching: the new module was built; the next optimizer is its switch
 
     def build(stage: int, num_stages: int, layers: range) -> nn.Module:
-        if _is_worker(d, s) and (layers.start, layers.stop) == (a, b):
+        on_meta = torch.empty(0).device.type == "meta"  # the start-up checks, not a migration
+        if _is_worker(d, s) and (layers.start, layers.stop) == (a, b) and not on_meta:
             if die_building is not None:
                 os.kill(os.getpid(), signal.SIGKILL)
             armed.append(True)

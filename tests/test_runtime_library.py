@@ -31,7 +31,13 @@ from runtime_adapter.stage import (
     check_training,
     infer_shapes,
 )
-from runtime_adapter.training import GradClip, clip_gradients, microbatch_seed, split_bounds
+from runtime_adapter.training import (
+    GradClip,
+    clip_gradients,
+    microbatch_seed,
+    split_bounds,
+    stages_from_layers,
+)
 from tests.jobs import tiny_job
 from tests.test_runtime_process import planner_schedules, records
 from tests.test_runtime_worker import one_worker
@@ -76,6 +82,28 @@ def test_checks_before_start() -> None:
     per_sample = meta.__class__(**{**meta.__dict__, "loss": lambda o, t: meta.loss(o, t).expand(3)})
     with pytest.raises(UserCodeError, match=r"returned a torch.float32 tensor of shape \[3\]"):
         check_training(per_sample, 4, 2, 2)
+    # stage() split otherwise than layer_ranges.home(P): the profile measured one, the job spec said the other
+    from tests.test_runtime_empty_stage import layer_list_training
+
+    def plain_layers() -> list[torch.nn.Module]:
+        return [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4)]
+
+    plain = layer_list_training()
+    resplit = plain.__class__(**{**plain.__dict__, "stage": stages_from_layers(plain_layers, [1, 2])})
+    check_training(plain, 3, 1, 1)
+    with pytest.raises(InvalidInputError, match=r"stage 0 of 3: stage\(\) builds 2 parameter tensors"):
+        check_training(resplit, 3, 1, 1)
+
+    def tied_layers() -> list[torch.nn.Module]:  # the first and last layer share their weight
+        layers = plain_layers()
+        layers[-1][0].weight = layers[0][0].weight
+        return layers
+
+    fields = {**plain.__dict__, "stage": stages_from_layers(tied_layers), "layer_ranges": None}
+    tied = plain.__class__(**fields)
+    with pytest.raises(InvalidInputError, match="layers 0 and 3 share a parameter"):
+        check_training(tied, 3, 1, 1)
+    check_training(tied, 1, 1, 1)  # on one stage the tie is one tensor: nothing to refuse
 
 
 @given(st.integers(1, 40), st.integers(1, 12))
