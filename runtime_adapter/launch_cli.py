@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import time
 from datetime import timedelta
@@ -279,6 +280,7 @@ class _Reporter:
     def __init__(self, monitor: JobMonitor, spec: LaunchSpec, every: int) -> None:
         self.monitor, self.spec, self.every = monitor, spec, every
         self.seen_events, self.last_print = 0, time.monotonic()
+        self.warned_nonfinite = False
 
     def __call__(self, lr: Supervisor) -> None:
         from runtime_adapter.summary import event_line
@@ -290,6 +292,11 @@ class _Reporter:
         self.seen_events = len(lr.history)
         last = self.spec.num_iterations - 1
         for row in self.monitor.new_losses():
+            if not math.isfinite(row.loss) and not self.warned_nonfinite:
+                self.warned_nonfinite = True  # once: every later iteration is likely the same
+                print(f"warning: the loss of iteration {row.iteration} is {row.loss} (training diverged, or "
+                      "the data or the model gives NaN/Inf); the launch trains on: Ctrl-C stops it",
+                      file=sys.stderr, flush=True)  # fmt: skip
             if row.iteration % self.every == 0 or row.iteration == last:
                 alive = total - len(lr.failed)
                 print(f"iteration {row.iteration:>3}/{last}  loss {row.loss:.4f}  schedule v{row.version}  "

@@ -114,3 +114,24 @@ def test_summary_names_failures_recoveries_and_restores() -> None:
         "  failures: none",
         "  restores from a checkpoint: none",
     ]
+
+
+def test_a_non_finite_loss_is_warned_about_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """A NaN loss printed `loss nan` on every line and the launch ended with exit 0, nothing said."""
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from runtime_adapter.launch_cli import _Reporter
+    from runtime_adapter.progress import IterationLoss
+
+    nan, inf = float("nan"), float("inf")
+    rows = [[IterationLoss(0, 1.5, 1)], [IterationLoss(1, nan, 1), IterationLoss(2, inf, 1)]]
+    monitor = SimpleNamespace(poll=lambda: None, new_losses=lambda: rows.pop(0) if rows else [])
+    spec = SimpleNamespace(workers=lambda: [(0, 0), (0, 1)], num_iterations=3)
+    supervisor = SimpleNamespace(history=[], version=1, failed=set())
+    reporter = _Reporter(cast(Any, monitor), cast(Any, spec), every=1)
+    for _ in range(3):
+        reporter(cast(Any, supervisor))
+    out, err = capsys.readouterr()
+    assert err.count("warning: the loss of iteration 1 is nan") == 1 and "iteration 2" not in err, err
+    assert "loss nan" in out and "loss 1.5000" in out
