@@ -5,6 +5,7 @@ loss.csv, the summary, and the service's job id and page. No traceback in any ou
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -245,8 +246,8 @@ def test_check_data_stops_the_launch_when_the_data_function_drifts(
 @pytest.mark.parametrize(
     ("entry", "needle"),
     [
-        ("exhausted", "data(2, 0, 0) raised IndexError: dataset exhausted"),
-        ("shorter_from_iteration_2", "stage 0's output of micro-batch [0, 0] has shape"),
+        ("exhausted", r"data\(2, \d, \d\) raised IndexError: dataset exhausted"),
+        ("shorter_from_iteration_2", r"stage 0's output of micro-batch \[\d, \d\] has shape"),
     ],
 )
 def test_an_error_in_the_users_code_mid_run_stops_the_launch_with_its_line(
@@ -254,9 +255,9 @@ def test_an_error_in_the_users_code_mid_run_stops_the_launch_with_its_line(
 ) -> None:
     """Raised again on every peer it was re-routed to, it was taken for failures until a stage was
     lost ("no checkpoint"), the error only in a worker log; a shape that changed aborted the receiver
-    in gloo. Now exit 2 with the worker's line."""
+    in gloo. Now exit 2 with the worker's line (whichever worker meets it first: any micro-batch)."""
     extra = ["--entry", f"tests.library_entries:{entry}", "--iterations", "4"]
     assert main(launch(inputs, tmp_path / "run", *extra)) == 2
     err = capsys.readouterr().err
-    assert "stopped with bad input with exit code 2" in err and needle in err, err
+    assert "stopped with bad input with exit code 2" in err and re.search(needle, err), err
     assert "lost" not in err and "Traceback" not in err, err
