@@ -173,9 +173,9 @@ def check_training(
                 "re-routed or replayed micro-batch would update them twice (use track_running_stats=False, "
                 "or a LayerNorm)"
             )
-    check_layer_ranges(training, num_stages)
+        check_home_split(training, s, num_stages, module)
     shapes = infer_shapes(training, num_stages)
-    check_loss_on_meta(training, num_stages)
+    check_loss_on_meta(training, shapes)
     return shapes
 
 
@@ -183,28 +183,28 @@ def _param_shapes(module: nn.Module) -> list[Shape]:
     return [tuple(p.shape) for p in module.parameters()]
 
 
-def check_layer_ranges(training: Training, num_stages: int) -> None:
+def check_home_split(training: Training, s: int, num_stages: int, module: nn.Module) -> None:
     """`layer_ranges.home(P)` must be the split `stage(s, P)` builds (a re-partition moves layers from
-    there, and a job spec's `partition` is derived from it): every stage's parameters (their shapes,
-    in order; names may differ) from both builders are compared on the meta device."""
+    there, and a job spec's `partition` is derived from it): stage s's parameters (their shapes, in
+    order; names may differ) from `stage` (`module`, built on meta) and from `layer_ranges` agree."""
     ranges = training.layer_ranges
     if ranges is None:
         return
-    for s, held in enumerate(ranges.home(num_stages)):
-        try:
-            with torch.device("meta"):
-                own = _param_shapes(build_stage_module(training, s, num_stages))
-                torch.manual_seed(training.seed)
-                ranged = _param_shapes(ranges.build(s, num_stages, held))
-        except Exception:  # the builders' own errors are named by the checks before this one
-            return
-        if own != ranged:
-            raise InvalidInputError(
-                f"stage {s} of {num_stages}: stage() builds {len(own)} parameter tensors, "
-                f"layer_ranges.build(layers {held.start}-{held.stop - 1}) {len(ranged)} (or other shapes): "
-                "stage() must build the split layer_ranges.home(P) gives, the even one (split_bounds): "
-                "a model split with stages_from_layers(..., split) cannot also have layer_ranges"
-            )
+    held = ranges.home(num_stages)[s]
+    try:
+        with torch.device("meta"):
+            torch.manual_seed(training.seed)
+            ranged = _param_shapes(ranges.build(s, num_stages, held))
+    except Exception:  # a builder that fails here fails where it is used, with its own error
+        return
+    own = _param_shapes(module)
+    if own != ranged:
+        raise InvalidInputError(
+            f"stage {s} of {num_stages}: stage() builds {len(own)} parameter tensors, "
+            f"layer_ranges.build(layers {held.start}-{held.stop - 1}) {len(ranged)} (or other shapes): "
+            "stage() must build the split layer_ranges.home(P) gives, the even one (split_bounds): "
+            "a model split with stages_from_layers(..., split) cannot also have layer_ranges"
+        )
 
 
 def checked_loss(loss: object, where: str) -> torch.Tensor:
@@ -223,21 +223,21 @@ def checked_loss(loss: object, where: str) -> torch.Tensor:
     )
 
 
-def check_loss_on_meta(training: Training, num_stages: int) -> None:
-    """Micro-batch (0, 0, 0) through every stage and the loss on the meta device (no memory, no
-    compute): a loss that is no one-element float tensor is refused before start. A model that does
-    not run on meta (it sets `activation_shape`, or a meta run raises) is left to the first
-    iteration, where an error is named the same way."""
+def check_loss_on_meta(training: Training, shapes: list[Shape]) -> None:
+    """The last stage and the loss on micro-batch (0, 0, 0) on the meta device (no memory, no compute;
+    its input shaped as infer_shapes found, `shapes`): a loss that is no one-element float tensor is
+    refused before start. A model that does not run on meta (it sets `activation_shape`, or a meta
+    run raises) is left to the first iteration, where an error is named the same way."""
     if training.activation_shape is not None:
         return
+    num_stages = len(shapes) + 1
     try:
         inputs, targets = training.data(0, 0, 0)
-        x, t = _on_meta(inputs), _on_meta(targets)
         with torch.device("meta"), torch.no_grad():
-            for s in range(num_stages):
-                x = build_stage_module(training, s, num_stages)(x)
-                x = x.to(training.boundary_dtype) if s < num_stages - 1 else x
-            loss = training.loss(x, t)
+            x = torch.empty(shapes[-1], dtype=training.boundary_dtype) if shapes else _on_meta(inputs)
+            loss = training.loss(
+                build_stage_module(training, num_stages - 1, num_stages)(x), _on_meta(targets)
+            )
     except Exception:
         return
     checked_loss(loss, "micro-batch [0, 0] of iteration 0 (checked on the meta device)")
