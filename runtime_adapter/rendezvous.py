@@ -46,20 +46,25 @@ def connect_groups(
     superseded: Callable[[], bool],
     device: torch.device | None = None,
     run: str = "",
+    patience: timedelta | None = None,
 ) -> Groups:
     """Build the groups of version `a` in a helper thread, giving up (Interrupted) as soon as
     `superseded()` (a newer version arrived): a member that skipped this version would otherwise keep
     everyone waiting until the timeout. Groups finished after giving up go to the reaper.
 
-    The store may die and come back empty meanwhile (`recycle store`): the helper waits for it and
-    runs the rendezvous in attempts (`_rendezvous`), all within `timeout`."""
+    The store may die and come back empty meanwhile (`recycle store`), and a member may come late (a
+    re-joiner still starting): the helper waits for the store and runs the rendezvous in attempts
+    (`_rendezvous`), each build within `timeout`, a new attempt started until `patience` (default:
+    `timeout`) has passed."""
     box: dict[str, Any] = {}
     done, lock, stop = threading.Event(), threading.Lock(), threading.Event()
 
     def target() -> None:
         try:
             root = f"recycle/{run}" if run else "recycle"
-            groups = _rendezvous(store_addr, a, interrupted, backend, timeout, reaper, device, stop, root)
+            groups = _rendezvous(
+                store_addr, a, interrupted, backend, timeout, reaper, device, stop, root, patience or timeout
+            )
         except BaseException as e:
             box["error"] = e
             done.set()
@@ -121,14 +126,17 @@ def _rendezvous(
     device: torch.device | None,
     stop: threading.Event,
     root: str = "recycle",
+    patience: timedelta | None = None,
 ) -> Groups:
     """Version `a`'s groups, built under `recycle/v<version>/<attempt token>` and committed (every
-    member built them). An attempt fails when the store dies during it (or any member's build fails):
-    whoever sees it fail retires its token, and every member starts again from scratch under the
-    successor's token (the members that had built the failed attempt's groups learn it from their
-    commit all-reduce failing or from the store's key, and drop those groups). RendezvousError past
-    `timeout`; StoreUnavailable/Interrupted once `stop` is set."""
-    deadline = time.monotonic() + timeout.total_seconds()
+    member built them). An attempt fails when the store dies during it or a member's build fails or
+    times out (a member still starting): whoever sees it fail retires its token, and every member
+    starts again from scratch under the successor's token (the members that had built the failed
+    attempt's groups learn it from their commit all-reduce failing or from the store's key, and drop
+    those groups). RendezvousError past `patience` (default `timeout`); StoreUnavailable/Interrupted
+    once `stop` is set."""
+    patience = patience or timeout
+    deadline = time.monotonic() + patience.total_seconds()
     backoff = Backoff(0.05, 1.0)
     failed: str | None = None  # the newest attempt this member saw fail
     why = "no attempt finished"
@@ -138,7 +146,7 @@ def _rendezvous(
             raise Interrupted(f"gave up the rendezvous of v{a.version}")
         if time.monotonic() >= deadline:
             raise RendezvousError(
-                f"groups of v{a.version} not built within {timeout.total_seconds():g} s ({why})"
+                f"groups of v{a.version} not built within {patience.total_seconds():g} s ({why})"
             )
         token, groups = None, None
         try:

@@ -21,7 +21,10 @@ class RuntimeSettings(BaseSettings):
     model_config = SETTINGS_CONFIG
 
     version_wait_s: float = Field(
-        default=60.0, gt=0, description="How long a worker waits for a newer schedule version, seconds."
+        default=60.0,
+        gt=0,
+        description="How long a worker waits for a newer schedule version (and starts new rendezvous attempts "
+        "for a member still starting), seconds.",
     )
     standby_wait_s: float = Field(
         default=600.0, gt=0, description="How long a warm standby waits to be called in, seconds."

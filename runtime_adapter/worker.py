@@ -324,6 +324,9 @@ class WorkerProcess:
             superseded,
             device=self.wire,
             run=o.run_id,
+            # a member may come late (a re-joiner still starting, slower than the group timeout):
+            # start new attempts for as long as the worker would wait for a new version
+            patience=max(self.settings.version_wait, self.settings.group_timeout),
         )
 
     def _train(self, a: Assignment) -> None:

@@ -145,7 +145,8 @@ def peer(d: int, version: int) -> Assignment:
 
 
 def connect_in_threads(port: int, version: int, reaper: GroupReaper, delays: tuple[float, float] = (0, 0),
-                       between: Callable[[], None] | None = None, run_id: str = "") -> list[Any]:  # fmt: skip
+                       between: Callable[[], None] | None = None, run_id: str = "",
+                       timeout: timedelta = TIMEOUT, patience: timedelta | None = None) -> list[Any]:  # fmt: skip
     """connect_groups for both members (member 1 starts `delays[1]` s later, after `between()`); their
     groups and the result of an all-reduce over them."""
     results: list[Any] = [None, None]
@@ -153,8 +154,8 @@ def connect_in_threads(port: int, version: int, reaper: GroupReaper, delays: tup
 
     def run(d: int) -> None:
         try:
-            g = connect_groups(("127.0.0.1", port), peer(d, version), threading.Event(), "gloo", TIMEOUT,
-                               reaper, lambda: False, run=run_id)  # fmt: skip
+            g = connect_groups(("127.0.0.1", port), peer(d, version), threading.Event(), "gloo", timeout,
+                               reaper, lambda: False, run=run_id, patience=patience)  # fmt: skip
             results[d] = (g, allreduce_min(g, [10 + d]), allreduce_min(g, [5 - d], on_stage=True))
         except BaseException as e:
             errors.append(e)
@@ -214,6 +215,23 @@ def test_a_rendezvous_interrupted_by_the_store_death_starts_again_on_the_restart
     groups = connect_in_threads(store[1], 5, reaper, (0, 1.0), restart)
     new = token_on(store[1], 5)
     assert old[0] is not None and new is not None and new != old[0]
+    for g in groups:
+        reaper.retire(g)
+    assert reaper.drain(20)
+
+
+@pytest.mark.timeout(60)
+def test_a_member_later_than_the_group_timeout_joins_a_new_attempt(store: list[Any]) -> None:
+    """Member 1 (a re-joiner still importing torch on a loaded host) arrives 5 s after member 0, whose
+    builds time out after 2 s. Member 0 retires its attempts and starts new ones until its patience
+    (20 s) is spent; member 1 joins the current one and both build v9's groups (with the patience
+    equal to the timeout, member 0 gave up after 2 s and the worker waited for a version that no one
+    would publish)."""
+    reaper = GroupReaper()
+    t0 = time.monotonic()
+    short, patience = timedelta(seconds=2), timedelta(seconds=20)
+    groups = connect_in_threads(store[1], 9, reaper, (0, 5.0), timeout=short, patience=patience)
+    assert time.monotonic() - t0 < 15
     for g in groups:
         reaper.retire(g)
     assert reaper.drain(20)
