@@ -23,8 +23,8 @@ class RuntimeSettings(BaseSettings):
     version_wait_s: float = Field(
         default=60.0,
         gt=0,
-        description="How long a worker waits for a newer schedule version (and starts new rendezvous attempts "
-        "for a member still starting), seconds.",
+        description="How long a worker waits for a newer schedule version (and starts new rendezvous "
+        "attempts for a member still starting), seconds.",
     )
     standby_wait_s: float = Field(
         default=600.0, gt=0, description="How long a warm standby waits to be called in, seconds."
@@ -46,6 +46,11 @@ class RuntimeSettings(BaseSettings):
     )
     checkpoint_every: int = Field(
         default=0, ge=0, description="Default of --checkpoint-every: stepped iterations between checkpoints."
+    )
+    fork_workers: bool = Field(
+        default=True,
+        description="Start the workers of a --device cpu launch or agent by forking a process that has "
+        "imported torch once (runtime_adapter/forkserver.py); 0: a plain process each.",
     )
     controller_token: SecretStr | None = Field(
         default=None, description="Default of `recycle launch --controller-token` (the service's token)."

@@ -8,6 +8,7 @@ supervisor's policy.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -16,11 +17,16 @@ import uuid
 from pathlib import Path
 
 from runtime_adapter.assignment import Worker
+from runtime_adapter.forkserver import ForkServer, ForkServerError
 from runtime_adapter.launch_spec import LaunchSpec
 from runtime_adapter.publishers import Publisher, Restore
+from runtime_adapter.settings import runtime_settings
 from runtime_adapter.stop_signals import WorkerPopen
 from runtime_adapter.store import StoreClient
 from runtime_adapter.summary import LaunchEvent
+
+logger = logging.getLogger(__name__)
+WORKER_MODULE = [sys.executable, "-m", "runtime_adapter.cli"]
 
 
 class WorkerProcesses:
@@ -42,6 +48,10 @@ class WorkerProcesses:
         self.num_standbys = 0
         self.store_client: StoreClient | None = None  # standby keys (set by start)
         self._nonce = uuid.uuid4().hex[:8]  # standby keys of this supervisor never meet an earlier one's
+        # CPU workers are forked from a process that imported torch once (forkserver.py); started at the
+        # first spawn, ended by terminate(); None: plain processes
+        self._fork = spec.device == "cpu" and runtime_settings().fork_workers
+        self._server: ForkServer | None = None
 
     @property
     def version(self) -> int:
@@ -97,7 +107,7 @@ class WorkerProcesses:
         name = f"worker_{w[0]}_{w[1]}" + (
             "" if standby_key is None else f"_standby{standby_key.rsplit('.', 1)[1]}"
         )
-        log = (self.spec.out_dir / f"{name}.log").open("ab")
+        log_path = self.spec.out_dir / f"{name}.log"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
         env["LOCAL_RANK"] = str(self.local.index(w))  # --device cuda: cuda:<LOCAL_RANK % count>
         cmd = self.spec.command(
@@ -107,13 +117,28 @@ class WorkerProcesses:
         )  # fmt: skip
         acct = self.acct_path(w)
         offset = acct.stat().st_size if acct.exists() else 0
-        proc = WorkerPopen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        log.close()
+        proc = self._start(cmd, env, log_path)
         first = not rejoin and restore is None and standby_key is None
-        self._started[proc.pid] = (self.spec.out_dir / f"{name}.log", offset, first)
+        self._started[proc.pid] = (log_path, offset, first)
         if standby_key is None:
             self._set_proc(w, proc)
         return proc
+
+    def _start(self, cmd: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+        """A worker process running `cmd`, its output appended to `log_path`: forked from the fork
+        server when there is one (started here at the first call), else a process of its own."""
+        if self._fork and cmd[:3] == WORKER_MODULE:
+            try:
+                if self._server is None or not self._server.alive:
+                    self._server = ForkServer(
+                        self.spec.out_dir, {k: v for k, v in env.items() if k != "LOCAL_RANK"}
+                    )
+                return self._server.spawn(cmd[3:], env, log_path)  # type: ignore[return-value]
+            except (ForkServerError, OSError) as e:
+                logger.warning("fork server unavailable (%s): starting workers as processes of their own", e)
+                self._fork = False
+        with log_path.open("ab") as log:
+            return WorkerPopen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def _set_proc(self, w: Worker, proc: subprocess.Popen[bytes]) -> None:
         """`proc` is now worker `w`'s process; its pid goes to <out>/worker_<d>_<s>.pid."""
@@ -169,3 +194,6 @@ class WorkerProcesses:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        if self._server is not None:
+            self._server.close()
+            self._server = None

@@ -146,7 +146,8 @@ def peer(d: int, version: int) -> Assignment:
 
 def connect_in_threads(port: int, version: int, reaper: GroupReaper, delays: tuple[float, float] = (0, 0),
                        between: Callable[[], None] | None = None, run_id: str = "",
-                       timeout: timedelta = TIMEOUT, patience: timedelta | None = None) -> list[Any]:  # fmt: skip
+                       timeout: timedelta = TIMEOUT,
+                       patience: timedelta | None = None) -> list[Any]:  # fmt: skip
     """connect_groups for both members (member 1 starts `delays[1]` s later, after `between()`); their
     groups and the result of an all-reduce over them."""
     results: list[Any] = [None, None]

@@ -1,0 +1,93 @@
+"""The fork server (runtime_adapter/forkserver.py): CPU workers forked from a process that imported
+torch once. Real processes: the server's exit-code reports, a kill from outside, the command line a
+forked worker shows (cli_inputs.runs_in finds it), a server that dies, and a launch with the fork
+server turned off (the plain process start, the path a GPU job takes) against single-process
+training."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from runtime_adapter.cli_inputs import runs_in
+from runtime_adapter.forkserver import ForkedWorker, ForkServer, ForkServerError
+from runtime_adapter.launch import Launcher, LaunchSpec
+from runtime_adapter.stop_signals import WorkerPopen
+from tests.jobs import tiny_job
+from tests.test_runtime_process import CFG, assert_matches_reference, planner_schedules
+
+
+def server_env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+
+
+@pytest.fixture
+def server(tmp_path: Path):
+    s = ForkServer(tmp_path, server_env())
+    yield s
+    s.close()
+
+
+@pytest.mark.timeout(60)
+def test_forked_workers_report_their_codes_and_a_kill_from_outside(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    """A command that ends (0), one with bad input (2, its message in its log), one killed -9 from
+    outside (-9, as Popen says it): each code comes from the server's reaping. The running one shows
+    the server's command line, `worker --out <dir>`, so the checks that look for a launch's live
+    workers by pid find it."""
+    assert server.alive
+    ok = server.spawn(["store", "--help"], server_env(), tmp_path / "ok.log")
+    bad = server.spawn(["store", "--port", "-5"], server_env(), tmp_path / "bad.log")
+    running = server.spawn(["store", "--host", "127.0.0.1"], server_env(), tmp_path / "running.log")
+    assert isinstance(ok, ForkedWorker) and len({ok.pid, bad.pid, running.pid}) == 3
+    assert ok.wait(30) == 0 and "--port" in (tmp_path / "ok.log").read_text()
+    assert bad.wait(30) == 2 and "port" in (tmp_path / "bad.log").read_text()
+    assert running.poll() is None and runs_in(running.pid, tmp_path)
+    os.kill(running.pid, signal.SIGKILL)
+    assert running.wait(30) == -signal.SIGKILL
+    assert not runs_in(running.pid, tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_server_refuses_new_workers_and_its_orphans_are_not_lost(tmp_path: Path) -> None:
+    """The server killed -9: a worker it forked runs on (nobody reaps it here, so poll says None while
+    it lives, then -9), and a new spawn raises ForkServerError (the supervisor then starts plain
+    processes)."""
+    s = ForkServer(tmp_path, server_env())
+    orphan = s.spawn(["store", "--host", "127.0.0.1"], server_env(), tmp_path / "orphan.log")
+    s.proc.kill()
+    s.proc.wait()
+    deadline = time.monotonic() + 10
+    while s.alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not s.alive
+    with pytest.raises(ForkServerError):
+        s.spawn(["store", "--help"], server_env(), tmp_path / "late.log")
+    assert orphan.poll() is None
+    os.kill(orphan.pid, signal.SIGKILL)
+    assert orphan.wait(30) == -signal.SIGKILL
+    s.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_launch_without_the_fork_server_starts_plain_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RECYCLE_FORK_WORKERS=0 (and every --device cuda launch): each worker is a process of its own,
+    and training ends as single-process training does."""
+    monkeypatch.setenv("RECYCLE_FORK_WORKERS", "0")
+    job = tiny_job(2, 2)
+    launcher = Launcher(LaunchSpec(job, asdict(CFG), 3, tmp_path), planner_schedules(job))  # type: ignore[arg-type]
+    launcher.start()
+    assert all(isinstance(p, WorkerPopen) for p in launcher.procs.values())
+    codes = launcher.wait(timedelta(seconds=90))
+    assert all(rc == 0 for rc in codes.values()), codes
+    assert_matches_reference(tmp_path, job, 3, list(launcher.procs))
