@@ -48,10 +48,10 @@ class WorkerProcesses:
         self.num_standbys = 0
         self.store_client: StoreClient | None = None  # standby keys (set by start)
         self._nonce = uuid.uuid4().hex[:8]  # standby keys of this supervisor never meet an earlier one's
-        # CPU workers are forked from a process that imported torch once (forkserver.py); started at the
-        # first spawn, ended by terminate(); None: plain processes
+        # CPU workers are forked from a process that imported torch once (forkserver.py), unless turned
+        # off (a GPU job; RECYCLE_FORK_WORKERS=0; a server that could not fork): plain processes then
         self._fork = spec.device == "cpu" and runtime_settings().fork_workers
-        self._server: ForkServer | None = None
+        self._server: ForkServer | None = None  # started at the first spawn, ended by terminate()
 
     @property
     def version(self) -> int:
@@ -130,6 +130,8 @@ class WorkerProcesses:
         if self._fork and cmd[:3] == WORKER_MODULE:
             try:
                 if self._server is None or not self._server.alive:
+                    if self._server is not None:  # it died (killed from outside): reap it
+                        self._server.close()
                     self._server = ForkServer(
                         self.spec.out_dir, {k: v for k, v in env.items() if k != "LOCAL_RANK"}
                     )

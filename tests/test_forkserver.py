@@ -7,7 +7,9 @@ training."""
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -16,11 +18,14 @@ from pathlib import Path
 
 import pytest
 
+from runtime_adapter import checkpoint
 from runtime_adapter.cli_inputs import runs_in
 from runtime_adapter.forkserver import ForkedWorker, ForkServer, ForkServerError
 from runtime_adapter.launch import Launcher, LaunchSpec
 from runtime_adapter.stop_signals import WorkerPopen
-from tests.jobs import tiny_job
+from tests.jobs import precomputed_inputs, tiny_job
+from tests.test_launch_resume import JOB, WORKERS, N, launch
+from tests.test_runtime_agent import processes_mentioning
 from tests.test_runtime_process import CFG, assert_matches_reference, planner_schedules
 
 
@@ -91,3 +96,31 @@ def test_a_launch_without_the_fork_server_starts_plain_processes(
     codes = launcher.wait(timedelta(seconds=90))
     assert all(rc == 0 for rc in codes.values()), codes
     assert_matches_reference(tmp_path, job, 3, list(launcher.procs))
+
+
+@pytest.mark.timeout(240)
+def test_a_fork_server_killed_mid_run_takes_its_workers_and_the_launch_restores(tmp_path: Path) -> None:
+    """The fork server of a 2 x 2 launch with checkpoints is killed -9 mid-run: the workers it forked
+    end with it (each within its parent watch, 0.5 s), a stage is lost, and the launcher restores from
+    the newest complete checkpoint with workers forked from a new server. A worker that ends after the
+    restore was decided is one more failure, re-routed to its peer. The launch trains to the end, and
+    every worker that finished holds the parameters of single-process training."""
+    inputs = precomputed_inputs(tmp_path, JOB)
+    out = tmp_path / "run"
+    run = subprocess.Popen(launch(inputs, out, "--pace-ms", "150", "--plan-on-demand"),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while (checkpoint.latest_complete(out / "checkpoints", 2) or 0) < 2:
+        assert run.poll() is None and time.monotonic() < deadline, "no checkpoint before the end"
+        time.sleep(0.1)
+    servers = [pid for pid in processes_mentioning("runtime_adapter.forkserver") if runs_in(pid, out)]
+    parents = {Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] for pid in servers}
+    server = [pid for pid in servers if str(pid) in parents]  # the one whose children the others are
+    assert len(server) == 1, (servers, parents)
+    os.kill(server[0], signal.SIGKILL)
+    said, _ = run.communicate(timeout=180)
+    # one restore, or two when the second stage's workers end only after the first was decided
+    assert run.returncode == 0 and re.search(r"restores from a checkpoint: [12]\n", said), said[-3000:]
+    finished = [w for w in WORKERS if (out / f"final_{w[0]}_{w[1]}.pt").exists()]
+    assert {s for _, s in finished} == {0, 1}, said[-3000:]
+    assert_matches_reference(out, JOB, N, finished)
