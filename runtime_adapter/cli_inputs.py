@@ -192,16 +192,16 @@ def read_pid(path: Path) -> int | None:
 
 
 def runs_in(pid: int, out: Path) -> bool:
-    """Whether process `pid` is alive and a worker writing to `out`: its command line has `worker` and
-    `--out` naming that directory (relative to its own working directory); a reused pid is some
-    other process."""
+    """Whether process `pid` is alive and a worker writing to `out`: its command line has `worker`
+    and its output (descriptor 1) is a log in `out` (a worker forked by the fork server shows the
+    server's command line, `python -m runtime_adapter.forkserver worker`); a reused pid is some other
+    process."""
     try:
         argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
-        cwd = os.readlink(f"/proc/{pid}/cwd")
+        output = Path(os.readlink(f"/proc/{pid}/fd/1"))
     except OSError:
         return False
-    outs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--out"]
-    return "worker" in argv and any((Path(cwd) / o).resolve() == out.resolve() for o in outs)
+    return "worker" in argv and output.parent == out.resolve()
 
 
 def resolve_checkpoint_every(value: int | None) -> int:

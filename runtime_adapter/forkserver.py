@@ -9,12 +9,16 @@ argv, environment, working directory and log file, and exits with its code.
 
 - Only for `--device cpu`: CUDA must not be initialized before a fork, and the server never touches
   it, but a GPU job keeps the plain process start (`RECYCLE_FORK_WORKERS=0` turns it off on CPU too).
-- The server's command line is `python -m runtime_adapter.forkserver worker --out <out dir>`, which a
-  forked worker shows as its own: the checks that find a launch's live workers by command line
-  (`cli_inputs.runs_in`) see them as before.
+- One server per supervising process (`shared`), started at its first worker: launches run one
+  after the other in one process (tests, a notebook) pay its imports once. Each request carries the
+  worker's whole environment; the child takes its `PYTHONPATH` into `sys.path` and drops the
+  server's import caches, so a module written since the server started is found.
+- Its command line is `python -m runtime_adapter.forkserver worker`, which a forked worker shows as
+  its own; `cli_inputs.runs_in` tells a launch's live workers by `worker` there and by their output
+  (descriptor 1) being a log in the launch's directory.
 - The server reaps its children and reports each exit code; the supervisor's handle (`ForkedWorker`)
   offers the part of `subprocess.Popen` it uses (`pid`, `poll`, `wait`, `kill`, `returncode`).
-- The server ends when its supervisor does (its request pipe closes); workers started with
+- The server ends when the process that started it does (its request pipe closes); workers started with
   `--exit-with-parent` then end too, as they would with their supervisor gone.
 - If the server cannot start or cannot fork (a process limit), the supervisor starts workers as
   plain processes. One that dies takes its workers with it (`--exit-with-parent`); the supervisor
@@ -104,8 +108,8 @@ class ForkServer:
     """The supervisor's side: starts the server process, sends it fork requests, collects exit codes
     (a reader thread). `spawn` raises ForkServerError when the server is gone."""
 
-    def __init__(self, out_dir: Path, env: dict[str, str]) -> None:
-        cmd = [sys.executable, "-m", MODULE, "worker", "--out", str(out_dir)]
+    def __init__(self, env: dict[str, str]) -> None:
+        cmd = [sys.executable, "-m", MODULE, "worker"]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._stdin, self._stdout = self.proc.stdin, self.proc.stdout
@@ -197,6 +201,22 @@ def start_time(pid: int) -> str | None:
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
+_SHARED: dict[str, ForkServer] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared(env: dict[str, str]) -> ForkServer:
+    """This process's fork server, started (with `env`, less what differs per worker) at the first
+    call and again after it died; it ends when this process does (its request pipe closes)."""
+    with _SHARED_LOCK:
+        server = _SHARED.get("server")
+        if server is None or not server.alive:
+            if server is not None:  # it died (killed from outside): reap it
+                server.close()
+            server = _SHARED["server"] = ForkServer({k: v for k, v in env.items() if k != "LOCAL_RANK"})
+        return server
+
+
 # --- the server process ---------------------------------------------------------------------------
 
 
@@ -218,6 +238,9 @@ def _child(request: dict[str, Any], reply_fd: int) -> None:
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         sys.argv = [sys.executable, *request["argv"]]
+        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:0] = [p for p in paths if p not in sys.path]
+        importlib.invalidate_caches()  # a module written since the server listed its directory
         import random
 
         import torch

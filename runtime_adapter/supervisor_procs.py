@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 from runtime_adapter.assignment import Worker
-from runtime_adapter.forkserver import ForkServer, ForkServerError
+from runtime_adapter.forkserver import ForkServerError, shared
 from runtime_adapter.launch_spec import LaunchSpec
 from runtime_adapter.publishers import Publisher, Restore
 from runtime_adapter.settings import runtime_settings
@@ -51,7 +51,6 @@ class WorkerProcesses:
         # CPU workers are forked from a process that imported torch once (forkserver.py), unless turned
         # off (a GPU job; RECYCLE_FORK_WORKERS=0; a server that could not fork): plain processes then
         self._fork = spec.device == "cpu" and runtime_settings().fork_workers
-        self._server: ForkServer | None = None  # started at the first spawn, ended by terminate()
 
     @property
     def version(self) -> int:
@@ -126,16 +125,10 @@ class WorkerProcesses:
 
     def _start(self, cmd: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
         """A worker process running `cmd`, its output appended to `log_path`: forked from the fork
-        server when there is one (started here at the first call), else a process of its own."""
+        server of this process (forkserver.shared), else a process of its own."""
         if self._fork and cmd[:3] == WORKER_MODULE:
             try:
-                if self._server is None or not self._server.alive:
-                    if self._server is not None:  # it died (killed from outside): reap it
-                        self._server.close()
-                    self._server = ForkServer(
-                        self.spec.out_dir, {k: v for k, v in env.items() if k != "LOCAL_RANK"}
-                    )
-                return self._server.spawn(cmd[3:], env, log_path)  # type: ignore[return-value]
+                return shared(env).spawn(cmd[3:], env, log_path)  # type: ignore[return-value]
             except (ForkServerError, OSError) as e:
                 logger.warning("fork server unavailable (%s): starting workers as processes of their own", e)
                 self._fork = False
@@ -196,6 +189,3 @@ class WorkerProcesses:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        if self._server is not None:
-            self._server.close()
-            self._server = None

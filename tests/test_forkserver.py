@@ -25,7 +25,6 @@ from runtime_adapter.launch import Launcher, LaunchSpec
 from runtime_adapter.stop_signals import WorkerPopen
 from tests.jobs import precomputed_inputs, tiny_job
 from tests.test_launch_resume import JOB, WORKERS, N, launch
-from tests.test_runtime_agent import processes_mentioning
 from tests.test_runtime_process import CFG, assert_matches_reference, planner_schedules
 
 
@@ -35,7 +34,7 @@ def server_env() -> dict[str, str]:
 
 @pytest.fixture
 def server(tmp_path: Path):
-    s = ForkServer(tmp_path, server_env())
+    s = ForkServer(server_env())
     yield s
     s.close()
 
@@ -66,7 +65,7 @@ def test_a_dead_server_refuses_new_workers_and_its_orphans_are_not_lost(tmp_path
     """The server killed -9: a worker it forked runs on (nobody reaps it here, so poll says None while
     it lives, then -9), and a new spawn raises ForkServerError (the supervisor then starts plain
     processes)."""
-    s = ForkServer(tmp_path, server_env())
+    s = ForkServer(server_env())
     orphan = s.spawn(["store", "--host", "127.0.0.1"], server_env(), tmp_path / "orphan.log")
     s.proc.kill()
     s.proc.wait()
@@ -113,11 +112,12 @@ def test_a_fork_server_killed_mid_run_takes_its_workers_and_the_launch_restores(
     while (checkpoint.latest_complete(out / "checkpoints", 2) or 0) < 2:
         assert run.poll() is None and time.monotonic() < deadline, "no checkpoint before the end"
         time.sleep(0.1)
-    servers = [pid for pid in processes_mentioning("runtime_adapter.forkserver") if runs_in(pid, out)]
-    parents = {Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] for pid in servers}
-    server = [pid for pid in servers if str(pid) in parents]  # the one whose children the others are
-    assert len(server) == 1, (servers, parents)
-    os.kill(server[0], signal.SIGKILL)
+    pids = [int((out / f"worker_{d}_{s}.pid").read_text()) for d, s in WORKERS]
+    servers = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in pids}
+    assert len(servers) == 1 and all(runs_in(pid, out) for pid in pids), servers  # the workers' parent
+    (server,) = servers
+    assert "runtime_adapter.forkserver" in Path(f"/proc/{server}/cmdline").read_text()
+    os.kill(server, signal.SIGKILL)
     said, _ = run.communicate(timeout=180)
     # one restore, or two when the second stage's workers end only after the first was decided
     assert run.returncode == 0 and re.search(r"restores from a checkpoint: [12]\n", said), said[-3000:]

@@ -104,9 +104,10 @@ def test_what_cannot_resume_is_one_line_before_anything_starts(
     code, err = _cli(launch(inputs, out, "--resume"), capsys)
     assert code == 2 and len(err) == 1 and "has no schedule.json" in err[0], err
     (out / "schedule.json").write_text("{}")
-    sleeper = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)", "worker", "--out", str(out)]
-    )
+    with (out / "worker_1_0.log").open("ab") as log:  # a worker: `worker` in its argv, its log in out
+        sleeper = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(60)", "worker"], stdout=log
+        )
     try:
         (out / "worker_1_0.pid").write_text(f"{sleeper.pid}\n")
         code, err = _cli(launch(inputs, out, "--resume"), capsys)
