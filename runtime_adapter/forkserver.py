@@ -281,8 +281,7 @@ def _exit_code(main: Any, argv: list[str]) -> int:
 
 
 def _reply(out: Any, msg: dict[str, Any]) -> None:
-    out.write(json.dumps(msg).encode() + b"\n")
-    out.flush()
+    _reply_line(out, json.dumps(msg))
 
 
 def serve() -> int:
