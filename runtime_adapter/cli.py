@@ -104,8 +104,12 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     p.add_argument(
         "--exit-with-parent",
-        action="store_true",
-        help="end when the process that started this one dies, even by SIGKILL (launch and agent set it)",
+        nargs="?",
+        const=0,
+        type=int,
+        metavar="PID",
+        help="end when the process that started this one (PID, if given: it must be this one's parent) "
+        "dies, even by SIGKILL; launch and agent set it",
     )
     p.set_defaults(func=cmd_worker)
 
@@ -128,10 +132,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     resume_at = parse_resume_at(args.resume_at, args.resume, args.checkpoint_dir)
     check_output_dir(args.out, "--out")
     Path(args.out).mkdir(parents=True, exist_ok=True)  # a standalone worker: its accounting goes here
-    if args.exit_with_parent:  # a worker whose launcher or agent is gone has no supervisor: it ends
-        from planner.processes import exit_with_parent
+    if args.exit_with_parent is not None:  # a worker whose launcher or agent is gone has no supervisor:
+        from planner.processes import exit_with_parent  # it ends (at once, if PID is no longer its parent)
 
-        exit_with_parent(os.getppid())
+        exit_with_parent(args.exit_with_parent or os.getppid())
     opts = WorkerOptions(
         worker=worker,
         num_pipelines=job.num_pipelines,

@@ -62,6 +62,7 @@ PRELOAD = (
     "planner.processes",
 )
 READY = "ready"
+READY_TIMEOUT_S = 60.0  # the preload takes 2-5 s (20 s on a loaded machine); a server past this is stuck
 WAIT_POLL_S = 0.02
 
 
@@ -117,8 +118,19 @@ class ForkServer:
         self._codes: dict[int, int] = {}
         self._forked: dict[int, int | str] = {}  # request id -> pid, or why the fork failed
         self._next_id = 0
-        self._alive = self._stdout.readline().decode().strip() == READY
+        self._alive = self._ready()
         threading.Thread(target=self._read, name="recycle-forkserver", daemon=True).start()
+
+    def _ready(self) -> bool:
+        """Whether the server said it is ready within READY_TIMEOUT_S; one that did not (a hung import,
+        a crash) is ended, and the supervisor starts plain processes instead."""
+        readable, _, _ = select.select([self._stdout], [], [], READY_TIMEOUT_S)
+        if readable and self._stdout.readline().decode().strip() == READY:
+            return True
+        why = "no ready line" if readable else "not ready"
+        logger.warning("fork server: %s within %g s", why, READY_TIMEOUT_S)
+        self.proc.kill()
+        return False
 
     def _read(self) -> None:
         try:

@@ -29,6 +29,12 @@ logger = logging.getLogger(__name__)
 WORKER_MODULE = [sys.executable, "-m", "runtime_adapter.cli"]
 
 
+def watching(cmd: list[str], parent: int) -> list[str]:
+    """`cmd` with `--exit-with-parent` naming the worker's parent `parent`: a parent that dies
+    before the worker looks is then noticed (the worker would otherwise watch whoever adopted it)."""
+    return [f"--exit-with-parent={parent}" if a == "--exit-with-parent" else a for a in cmd]
+
+
 class WorkerProcesses:
     """The processes of the local workers `workers` (default: the whole job)."""
 
@@ -128,12 +134,14 @@ class WorkerProcesses:
         server of this process (forkserver.shared), else a process of its own."""
         if self._fork and cmd[:3] == WORKER_MODULE:
             try:
-                return shared(env).spawn(cmd[3:], env, log_path)  # type: ignore[return-value]
+                server = shared(env)
+                argv = watching(cmd[3:], server.proc.pid)
+                return server.spawn(argv, env, log_path)  # type: ignore[return-value]
             except (ForkServerError, OSError) as e:
                 logger.warning("fork server unavailable (%s): starting workers as processes of their own", e)
                 self._fork = False
         with log_path.open("ab") as log:
-            return WorkerPopen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            return WorkerPopen(watching(cmd, os.getpid()), stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def _set_proc(self, w: Worker, proc: subprocess.Popen[bytes]) -> None:
         """`proc` is now worker `w`'s process; its pid goes to <out>/worker_<d>_<s>.pid."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime_adapter import checkpoint
+from runtime_adapter import checkpoint, forkserver
 from runtime_adapter.cli_inputs import runs_in
 from runtime_adapter.forkserver import ForkedWorker, ForkServer, ForkServerError
 from runtime_adapter.launch import Launcher, LaunchSpec
@@ -124,3 +124,22 @@ def test_a_fork_server_killed_mid_run_takes_its_workers_and_the_launch_restores(
     finished = [w for w in WORKERS if (out / f"final_{w[0]}_{w[1]}.pt").exists()]
     assert {s for _, s in finished} == {0, 1}, said[-3000:]
     assert_matches_reference(out, JOB, N, finished)
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_never_says_ready_is_ended_and_refuses_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server stuck before its ready line (here: a `sitecustomize` that sleeps; in life a hung
+    import) is killed after READY_TIMEOUT_S and refuses spawns, so the supervisor starts plain
+    processes instead of waiting forever."""
+    monkeypatch.setattr(forkserver, "READY_TIMEOUT_S", 2.0)
+    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(600)\n")
+    env = dict(server_env(), PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    started = time.monotonic()
+    s = ForkServer(env)
+    assert not s.alive and time.monotonic() - started < 10
+    assert s.proc.wait(10) == -signal.SIGKILL
+    with pytest.raises(ForkServerError):
+        s.spawn(["store", "--help"], server_env(), tmp_path / "late.log")
+    s.close()
