@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from planner.errors import InvalidInputError
+from runtime_adapter.stage_state import BufferWatch, running_stats
 from runtime_adapter.training import (
     StageTypeError,
     Training,
@@ -176,6 +177,7 @@ def check_training(
         check_home_split(training, s, num_stages, module)
     shapes = infer_shapes(training, num_stages)
     check_loss_on_meta(training, shapes)
+    check_buffers_on_meta(training, shapes)
     return shapes
 
 
@@ -243,6 +245,23 @@ def check_loss_on_meta(training: Training, shapes: list[Shape]) -> None:
     checked_loss(loss, "micro-batch [0, 0] of iteration 0 (checked on the meta device)")
 
 
+def check_buffers_on_meta(training: Training, shapes: list[Shape]) -> None:
+    """Every stage's forward on micro-batch (0, 0, 0) on the meta device (its input shaped as `shapes`
+    says): one that changes a buffer of its state_dict is refused (stage_state.BufferWatch). A stage
+    that does not run on meta is left unchecked."""
+    inputs = training.data(0, 0, 0)[0]
+    for s in range(len(shapes) + 1):
+        try:
+            with torch.device("meta"), torch.no_grad():
+                x = torch.empty(shapes[s - 1], dtype=training.boundary_dtype) if s else _on_meta(inputs)
+                module = build_stage_module(training, s, len(shapes) + 1)
+                watch = BufferWatch(module, s)
+                module(x)
+        except Exception:
+            continue
+        watch.check()
+
+
 def data_samples(num_pipelines: int, num_microbatches: int) -> list[tuple[int, int, int]]:
     """The (iteration, pipeline, micro-batch) keys the start-up checks read."""
     samples = {
@@ -272,14 +291,6 @@ def data_digest(training: Training, num_pipelines: int, num_microbatches: int) -
 
 def _layout(layout: list[tuple[torch.Size, torch.dtype]]) -> str:
     return ", ".join(f"({list(shape)}, {str(dtype).removeprefix('torch.')})" for shape, dtype in layout)
-
-
-def running_stats(module: nn.Module) -> str | None:
-    """The name of a submodule whose forward updates buffers (batch norm with running statistics)."""
-    for name, m in module.named_modules():
-        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
-            return f"{type(m).__name__} {name or '(the stage)'}"
-    return None
 
 
 def read_checked(training: Training, iteration: int, d: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -69,6 +69,45 @@ def batch_norm(**kwargs: Any) -> Training:
     return dataclasses.replace(base, stage=stage)
 
 
+class _Counted(torch.nn.Module):
+    """A stage that counts its forwards in a buffer of its state_dict (persistent) or in a cache
+    (`persistent=False`, replaced each forward as a rotary embedding's cos/sin cache is)."""
+
+    def __init__(self, module: torch.nn.Module, persistent: bool) -> None:
+        super().__init__()
+        self.module, self.persistent = module, persistent
+        self.register_buffer("seen", torch.zeros(()), persistent=persistent)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.persistent:
+            self.seen += 1
+        else:
+            self.seen = self.seen + 1
+        return self.module(x)
+
+
+def step_counter(**kwargs: Any) -> Training:
+    """The reference GPT whose stage 0 counts its forwards in a state_dict buffer (refused)."""
+    base = gpt(**kwargs)
+
+    def stage(s: int, num_stages: int) -> torch.nn.Module:
+        module = base.stage(s, num_stages)
+        return _Counted(module, persistent=True) if s == 0 else module
+
+    return dataclasses.replace(base, stage=stage)
+
+
+def forward_cache(**kwargs: Any) -> Training:
+    """The reference GPT whose last stage replaces a non-persistent buffer in forward (a cache: fine)."""
+    base = gpt(**kwargs)
+
+    def stage(s: int, num_stages: int) -> torch.nn.Module:
+        module = base.stage(s, num_stages)
+        return _Counted(module, persistent=False) if s == num_stages - 1 else module
+
+    return dataclasses.replace(base, stage=stage)
+
+
 def drifting(**kwargs: Any) -> Training:
     """The reference GPT whose data function is pure in iterations 0 and 1 only (the pre-start check,
     which reads both, passes; `--check-data` must catch it while training)."""

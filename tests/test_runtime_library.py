@@ -194,6 +194,7 @@ def test_rollback_restores_adamw_clipping_and_the_lr_schedule_exactly() -> None:
         (["--entry", "no_such_module_here:training"], "cannot import"),
         (["--entry", "tests.library_entries:nondeterministic"], "pure function"),
         (["--entry", "tests.library_entries:batch_norm"], "running statistics"),
+        (["--entry", "tests.library_entries:step_counter"], "stage 0's forward changes its buffer 'seen'"),
         (["--entry", "tests.library_entries:varying_shapes"], "every micro-batch must have the same shapes"),
         (["--entry", "tests.library_entries:one_tensor"], "must return (inputs, targets), two tensors"),
         (["--entry", "tests.library_entries:bad_optimizer"], "Invalid learning rate"),
