@@ -72,12 +72,12 @@ def _on_meta(t: torch.Tensor) -> torch.Tensor:
 
 
 def infer_shapes(training: Training, num_stages: int) -> list[Shape]:
-    """The output shape of stages 0..P-2 (what goes over the wire), from `activation_shape` or by
-    running every stage on the meta device on micro-batch (0, 0, 0) (no memory, no compute)."""
+    """The output shape of stages 0..P-2 (what goes over the wire), by running every stage on the meta
+    device on micro-batch (0, 0, 0) (no memory, no compute); `activation_shape`, where set, must agree,
+    and is taken as given for a model that does not run on meta."""
     if num_stages == 1:
         return []
-    if training.activation_shape is not None:
-        return [tuple(training.activation_shape)] * (num_stages - 1)
+    given = training.activation_shape
     try:
         x = _on_meta(training.data(0, 0, 0)[0])
         shapes: list[Shape] = []
@@ -88,10 +88,18 @@ def infer_shapes(training: Training, num_stages: int) -> list[Shape]:
     except InvalidInputError:
         raise
     except Exception as e:
+        if given is not None:  # a model that does not run on meta: the given shape is all there is
+            return [tuple(given)] * (num_stages - 1)
         raise InvalidInputError(
             f"cannot infer the activation shapes on the meta device ({type(e).__name__}: {e}); "
             "set Training.activation_shape"
         ) from e
+    for s, shape in enumerate(shapes):
+        if given is not None and shape != tuple(given):  # else every receiver would allocate wrongly
+            raise InvalidInputError(
+                f"Training.activation_shape is {list(given)}, but stage {s} returns {list(shape)} on "
+                "the meta device: set the shape every stage returns, or leave it unset to infer it"
+            )
     return shapes
 
 

@@ -77,6 +77,10 @@ def test_checks_before_start() -> None:
     training = gpt_training(GPTConfig(hidden=16, num_heads=2, seq_len=8, microbatch_size=3))
     inferred = infer_shapes(training.__class__(**{**training.__dict__, "activation_shape": None}), 4)
     assert check_training(training, 4, 2, 2) == inferred == [(3, 8, 16)] * 3
+    # a given shape that is not what the stages return: refused before start (not at the first send)
+    wrong = training.__class__(**{**training.__dict__, "activation_shape": (3, 16, 16)})
+    with pytest.raises(InvalidInputError, match=r"activation_shape is \[3, 16, 16\], but stage 0 returns"):
+        check_training(wrong, 4, 2, 2)
     # a loss that is not one element (reduction="none"): refused before start, on the meta device
     meta = training.__class__(**{**training.__dict__, "activation_shape": None})
     per_sample = meta.__class__(**{**meta.__dict__, "loss": lambda o, t: meta.loss(o, t).expand(3)})

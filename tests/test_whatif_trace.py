@@ -64,6 +64,8 @@ def test_parse_duration_units() -> None:
     assert parse_duration("1.5", "h") == 5400
     with pytest.raises(ValueError):
         parse_duration("6 hours")
+    with pytest.raises(ValueError, match=r"'1e400' \(too large\)"):  # a float that overflows to inf
+        parse_duration("1e400")
 
 
 def test_generator_is_deterministic_per_seed_and_round_trips(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ already down, or re-joining one that is up, is an error naming the line.
 from __future__ import annotations
 
 import csv
+import math
 import random
 import re
 from dataclasses import dataclass
@@ -58,7 +59,10 @@ def parse_duration(text: str, default_unit: str = "s") -> float:
     match = _DURATION.match(str(text))
     if not match:
         raise ValueError(f"not a duration: {text!r} (expected a number with optional unit s, m, h or d)")
-    return float(match.group(1)) * _UNITS[match.group(2) or default_unit]
+    seconds = float(match.group(1)) * _UNITS[match.group(2) or default_unit]
+    if not math.isfinite(seconds):  # 1e400 parses as inf
+        raise ValueError(f"not a duration: {text!r} (too large)")
+    return seconds
 
 
 def _parse_row(row: list[str], where: str, job: JobSpec) -> Event:
