@@ -17,7 +17,7 @@ from api.fastpoll import answer_poll
 from api.job_sync import ReplicaSync
 from api.jobs import JobRuntime, JobService
 from api.metrics import Metrics
-from api.middleware import BodyLimitMiddleware, TimingMiddleware
+from api.middleware import BodyLimitMiddleware, HeadMiddleware, TimingMiddleware
 from api.routes import events, health, jobs, pages, plan, schedule
 from api.settings import Settings, get_settings
 from api.solver import Solver
@@ -117,6 +117,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     modules = (jobs, events, schedule, plan, health, pages)
     for module in modules:
         app.include_router(module.router)
+    app.add_middleware(HeadMiddleware)  # innermost: the timing and body limit see the HEAD
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     # The routes by template for requests answered before routing (the included routers' own routes:
     # FastAPI wraps each included router in one entry of app.router.routes).

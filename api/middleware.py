@@ -24,6 +24,27 @@ async def _reject(send: Send, limit: int) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+class HeadMiddleware:
+    """HEAD on any path is answered as GET is, without the body (RFC 9110 section 9.3.2: a
+    general-purpose server supports HEAD wherever it supports GET): the same status and headers
+    (ETag, Content-Length), so a probe or a cache check need not fetch a schedule."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
+
+
 class BodyLimitMiddleware:
     """Answer 413 to bodies over `max_bytes`, by Content-Length or by counting a streamed body."""
 

@@ -207,6 +207,22 @@ def test_schedule_etag_304_and_long_poll_timeout(client: TestClient) -> None:
     assert r.status_code == 200 and r.json()["version"] == 2
 
 
+def test_head_answers_as_get_without_a_body(client: TestClient) -> None:
+    """HEAD on a GET path: GET's status and headers (ETag, Content-Length), no body; its errors too
+    (401, 404); a path without GET: 405."""
+    job_id, worker = new_job(client)
+    for path in (f"/v1/jobs/{job_id}", f"/v1/jobs/{job_id}/schedule", "/v1/jobs", "/healthz", "/readyz"):
+        got, head = client.get(path, headers=CTL), client.head(path, headers=CTL)
+        assert head.status_code == got.status_code == 200 and head.content == b"", path
+        for name in ("content-type", "content-length", "etag"):
+            assert head.headers.get(name) == got.headers.get(name), (path, name)
+    r = client.head(f"/v1/jobs/{job_id}/schedule", headers={**worker, "If-None-Match": '"1"'})
+    assert r.status_code == 304 and r.headers["etag"] == '"1"'
+    assert client.head("/v1/jobs/nope", headers=CTL).status_code == 404
+    assert client.head("/v1/jobs").status_code == 401
+    assert client.head(f"/v1/jobs/{job_id}/events", headers=CTL).status_code == 405
+
+
 def test_worker_view(client: TestClient) -> None:
     job_id, worker = new_job(client)
     event(client, job_id, "f", "fail", [[1, 1]])

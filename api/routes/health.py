@@ -25,11 +25,6 @@ async def readyz(request: Request) -> Response:
     return JSONResponse({"status": "starting"}, status_code=503)
 
 
-# HEAD as well: load balancers probe with it (outside the OpenAPI schema: one operation per path)
-for _path, _probe in (("/healthz", healthz), ("/readyz", readyz)):
-    router.add_api_route(_path, _probe, methods=["HEAD"], include_in_schema=False)
-
-
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(service: ServiceDep) -> Response:
     """Request latency, solves, cache hits, versions, connected pollers (Prometheus text format)."""
