@@ -122,13 +122,20 @@ class ForkServer:
         threading.Thread(target=self._read, name="recycle-forkserver", daemon=True).start()
 
     def _ready(self) -> bool:
-        """Whether the server said it is ready within READY_TIMEOUT_S; one that did not (a hung import,
-        a crash) is ended, and the supervisor starts plain processes instead."""
-        readable, _, _ = select.select([self._stdout], [], [], READY_TIMEOUT_S)
-        if readable and self._stdout.readline().decode().strip() == READY:
-            return True
-        why = "no ready line" if readable else "not ready"
-        logger.warning("fork server: %s within %g s", why, READY_TIMEOUT_S)
+        """Whether the server said it is ready within READY_TIMEOUT_S (lines before that, printed at
+        interpreter start-up, are skipped); one that did not (a hung import, a crash) is ended, and
+        the supervisor starts plain processes instead."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([self._stdout], [], [], left)[0]:
+                break
+            line = self._stdout.readline()
+            if not line:  # it exited
+                break
+            if line.decode(errors="replace").strip() == READY:
+                return True
+            logger.warning("fork server said before it was ready: %r", line[:200])
+        logger.warning("fork server not ready within %g s: starting plain processes", READY_TIMEOUT_S)
         self.proc.kill()
         return False
 
@@ -300,12 +307,11 @@ def serve() -> int:
     """The server's loop: one JSON request per line on stdin (fork a worker, reply its pid), exit
     codes of reaped children on stdout; ends when stdin closes (its supervisor is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the supervisor's to handle
-    for module in PRELOAD:  # the imports every worker needs, done once
-        importlib.import_module(module)
-
-    # replies on a descriptor of their own; anything printed goes to stderr, never into the replies
+    # replies on a descriptor of their own; anything printed (an import's notice too) goes to stderr
     reply_fd = os.dup(1)
     os.dup2(2, 1)
+    for module in PRELOAD:  # the imports every worker needs, done once
+        importlib.import_module(module)
     requests, out = sys.stdin.buffer, os.fdopen(reply_fd, "wb")
     _reply_line(out, READY)
     buffer = b""

@@ -143,3 +143,17 @@ def test_a_server_that_never_says_ready_is_ended_and_refuses_workers(
     with pytest.raises(ForkServerError):
         s.spawn(["store", "--help"], server_env(), tmp_path / "late.log")
     s.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_prints_at_start_up_still_serves(tmp_path: Path) -> None:
+    """Output on the server's stdout before its ready line (here a `sitecustomize` that prints; in
+    life an interpreter start-up hook) is skipped: the server is ready and forks workers."""
+    (tmp_path / "sitecustomize.py").write_text("print('hello from start-up')\n")
+    env = dict(server_env(), PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    s = ForkServer(env)
+    try:
+        assert s.alive
+        assert s.spawn(["store", "--help"], server_env(), tmp_path / "ok.log").wait(30) == 0
+    finally:
+        s.close()
