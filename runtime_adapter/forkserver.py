@@ -77,11 +77,17 @@ class ForkedWorker:
         self.server, self.pid, self.args = server, pid, args
         self.returncode: int | None = None
         self.started = start_time(pid)  # tells this process from a later one given the same pid
+        self._pidfd: int | None = None  # signals reach this process only, never a later one with its pid
+        with contextlib.suppress(OSError, AttributeError):  # gone already; no pidfd (Linux < 5.3)
+            self._pidfd = os.pidfd_open(pid)
 
     def poll(self) -> int | None:
         if self.returncode is None:
             with shielded():
                 self.returncode = self.server.exit_code(self.pid, self.started)
+            if self.returncode is not None and self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -96,7 +102,10 @@ class ForkedWorker:
     def send_signal(self, signum: int) -> None:
         if self.poll() is None:
             with contextlib.suppress(ProcessLookupError):  # ended meanwhile: the server reports its code
-                os.kill(self.pid, signum)
+                if self._pidfd is not None:
+                    signal.pidfd_send_signal(self._pidfd, signum)
+                else:
+                    os.kill(self.pid, signum)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)

@@ -58,6 +58,11 @@ def test_forked_workers_report_their_codes_and_a_kill_from_outside(
     os.kill(running.pid, signal.SIGKILL)
     assert running.wait(30) == -signal.SIGKILL
     assert not runs_in(running.pid, tmp_path)
+    # the supervisor's own signals go through a pidfd: they reach this process, and after its end nothing
+    stopped = server.spawn(["store", "--host", "127.0.0.1"], server_env(), tmp_path / "stopped.log")
+    stopped.terminate()
+    assert stopped.wait(30) == -signal.SIGTERM
+    stopped.kill()  # ended: a no-op, whoever has its pid now
 
 
 @pytest.mark.timeout(60)
