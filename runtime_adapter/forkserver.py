@@ -21,9 +21,9 @@ argv, environment, working directory and log file, and exits with its code.
 - The server ends when the process that started it does (its request pipe closes); workers started with
   `--exit-with-parent` then end too, as they would with their supervisor gone.
 - If the server cannot start, is not ready within READY_TIMEOUT_S (a hung import) or cannot fork
-  (a process limit), the supervisor starts workers as plain processes. One that dies takes its workers with it (`--exit-with-parent`); the supervisor
-  handles them as failures (their codes are lost: -9) and starts a new server for the workers it
-  restarts.
+  (a process limit), the supervisor starts workers as plain processes. One that dies takes its
+  workers with it (`--exit-with-parent`); the supervisor handles them as failures (their codes are
+  lost: -9) and starts a new server for the workers it restarts.
 - Replies go on a descriptor of their own (the server's stdout is its stderr), so a stray print of a
   preloaded module cannot corrupt them. Each child draws new `random` and numpy seeds.
 - Each worker is named its parent (`--exit-with-parent=<server pid>`), so one whose server died
