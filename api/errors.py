@@ -88,7 +88,10 @@ def _allowed(request: Request) -> list[str]:
     def takes(method: str) -> bool:
         return any(r.matches({**request.scope, "method": method})[0] == Match.FULL for r in routes)
 
-    return [m for m in METHODS if takes(m)]
+    taken = {m for m in METHODS if takes(m)}
+    if "GET" in taken:  # HEAD is answered wherever GET is (middleware.HeadMiddleware)
+        taken.add("HEAD")
+    return [m for m in METHODS if m in taken]
 
 
 def _http(request: Request, exc: Exception) -> JSONResponse:

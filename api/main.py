@@ -117,7 +117,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     modules = (jobs, events, schedule, plan, health, pages)
     for module in modules:
         app.include_router(module.router)
-    app.add_middleware(HeadMiddleware)  # innermost: the timing and body limit see the HEAD
+    app.add_middleware(HeadMiddleware)  # inside the timing and body limit: they see the HEAD
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     # The routes by template for requests answered before routing (the included routers' own routes:
     # FastAPI wraps each included router in one entry of app.router.routes).

@@ -125,6 +125,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     host, port = parse_store(args.store)
     fail_at, model = parse_fail_at(args.fail_at), parse_kwargs(args.model)
     check_min("--iterations", args.iterations, 1)
+    parent = check_parent(args.exit_with_parent)
     args.checkpoint_every = resolve_checkpoint_every(args.checkpoint_every)
     check_min("--checkpoint-every", args.checkpoint_every, 0)
     check_min("--pace-ms", args.pace_ms, 0)
@@ -132,10 +133,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     resume_at = parse_resume_at(args.resume_at, args.resume, args.checkpoint_dir)
     check_output_dir(args.out, "--out")
     Path(args.out).mkdir(parents=True, exist_ok=True)  # a standalone worker: its accounting goes here
-    if args.exit_with_parent is not None:  # a worker whose launcher or agent is gone has no supervisor:
-        from planner.processes import exit_with_parent  # it ends (at once, if PID is no longer its parent)
+    if parent is not None:  # a worker whose launcher or agent is gone has no supervisor: it ends
+        from planner.processes import exit_with_parent
 
-        exit_with_parent(args.exit_with_parent or os.getppid())
+        exit_with_parent(parent)
     opts = WorkerOptions(
         worker=worker,
         num_pipelines=job.num_pipelines,
@@ -206,6 +207,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
     logging.shutdown()
     sys.stdout.flush()
     os._exit(code)
+
+
+def check_parent(pid: int | None) -> int | None:
+    """`--exit-with-parent[=PID]` -> the pid to watch (None: not given); InvalidInputError for a PID
+    that is not this process's parent: its supervisor died before this line (it was adopted), or
+    PID names another process (a wrapper such as srun in between)."""
+    if pid is None:
+        return None
+    check_min("--exit-with-parent", pid, 0)
+    if pid and pid != os.getppid():
+        raise InvalidInputError(
+            f"--exit-with-parent={pid}: process {pid} is not this worker's parent (process "
+            f"{os.getppid()}): it is gone, or PID names another process"
+        )
+    return pid or os.getppid()
 
 
 def parse_resume_at(text: str | None, resume: bool, checkpoint_dir: str | None) -> int | None:

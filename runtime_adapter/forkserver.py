@@ -86,11 +86,13 @@ class ForkedWorker:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            with shielded():
-                self.returncode = self.server.exit_code(self.pid, self.started)
-            if self.returncode is not None and self._pidfd is not None:
-                os.close(self._pidfd)
-                self._pidfd = None
+            try:
+                with shielded():
+                    self.returncode = self.server.exit_code(self.pid, self.started)
+            finally:  # also when a stop signal held back by the shield is raised on leaving it
+                if self.returncode is not None and self._pidfd is not None:
+                    os.close(self._pidfd)
+                    self._pidfd = None
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -130,6 +132,7 @@ class ForkServer:
         self._codes: dict[int, int] = {}
         self._forked: dict[int, int | str] = {}  # request id -> pid, or why the fork failed
         self._next_id = 0
+        self._buffer = b""  # read from the server, not yet a whole line
         self._alive = self._ready()
         threading.Thread(target=self._read, name="recycle-forkserver", daemon=True).start()
 
@@ -138,22 +141,37 @@ class ForkServer:
         interpreter start-up, are skipped); one that did not (a hung import, a crash) is ended, and
         the supervisor starts plain processes instead."""
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while (left := deadline - time.monotonic()) > 0:
-            if not select.select([self._stdout], [], [], left)[0]:
-                break
-            line = self._stdout.readline()
-            if not line:  # it exited
-                break
-            if line.decode(errors="replace").strip() == READY:
+        while (line := self._line(deadline)) is not None:
+            if line.strip() == READY.encode():
                 return True
-            logger.warning("fork server said before it was ready: %r", line[:200])
+            if line.strip():
+                logger.warning("fork server said before it was ready: %r", line[:200])
         logger.warning("fork server not ready within %g s: starting plain processes", READY_TIMEOUT_S)
         self.proc.kill()
         return False
 
+    def _line(self, deadline: float | None = None) -> bytes | None:
+        """The server's next line (without its newline); None once it ended or `deadline` passed. Read
+        from the descriptor itself: a buffered reader could hold a line that select() does not see."""
+        fd = self._stdout.fileno()
+        while b"\n" not in self._buffer:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([fd], [], [], left)[0]:
+                    return None
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except OSError:
+                return None
+            if not chunk:
+                return None
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line
+
     def _read(self) -> None:
         try:
-            for line in self._stdout:
+            while (line := self._line()) is not None:
                 try:
                     msg = json.loads(line)
                 except ValueError:
@@ -325,7 +343,7 @@ def serve() -> int:
     for module in PRELOAD:  # the imports every worker needs, done once
         importlib.import_module(module)
     requests, out = sys.stdin.buffer, os.fdopen(reply_fd, "wb")
-    _reply_line(out, READY)
+    _reply_line(out, "\n" + READY)  # a newline first ends any partial line printed at start-up
     buffer = b""
     while True:
         readable, _, _ = select.select([requests], [], [], 0.05)

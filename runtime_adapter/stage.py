@@ -74,7 +74,8 @@ def _on_meta(t: torch.Tensor) -> torch.Tensor:
 def infer_shapes(training: Training, num_stages: int) -> list[Shape]:
     """The output shape of stages 0..P-2 (what goes over the wire), by running every stage on the meta
     device on micro-batch (0, 0, 0) (no memory, no compute); `activation_shape`, where set, must agree,
-    and is taken as given for a model that does not run on meta."""
+    and is taken as given for a model that does not run on meta. A stage whose forward changes a
+    buffer of its state_dict is refused (stage_state.BufferWatch; the last one: check_loss_on_meta)."""
     if num_stages == 1:
         return []
     given = training.activation_shape
@@ -83,7 +84,10 @@ def infer_shapes(training: Training, num_stages: int) -> list[Shape]:
         shapes: list[Shape] = []
         with torch.device("meta"), torch.no_grad():
             for s in range(num_stages - 1):
-                x = build_stage_module(training, s, num_stages)(x)
+                module = build_stage_module(training, s, num_stages)
+                watch = BufferWatch(module, s)
+                x = module(x)
+                watch.check()  # a forward that changes a state_dict buffer is refused
                 shapes.append(tuple(x.shape))
     except InvalidInputError:
         raise
@@ -185,7 +189,6 @@ def check_training(
         check_home_split(training, s, num_stages, module)
     shapes = infer_shapes(training, num_stages)
     check_loss_on_meta(training, shapes)
-    check_buffers_on_meta(training, shapes)
     return shapes
 
 
@@ -235,39 +238,21 @@ def checked_loss(loss: object, where: str) -> torch.Tensor:
 
 def check_loss_on_meta(training: Training, shapes: list[Shape]) -> None:
     """The last stage and the loss on micro-batch (0, 0, 0) on the meta device (no memory, no compute;
-    its input shaped as infer_shapes found, `shapes`): a loss that is no one-element float tensor is
-    refused before start. A model that does not run on meta (it sets `activation_shape`, or a meta
-    run raises) is left to the first iteration, where an error is named the same way."""
-    if training.activation_shape is not None:
-        return
+    its input shaped as infer_shapes found, `shapes`): a loss that is no one-element float tensor, or
+    a last stage whose forward changes a state_dict buffer, is refused before start. A model that
+    does not run on meta is left to the first iteration, where an error is named the same way."""
     num_stages = len(shapes) + 1
     try:
         inputs, targets = training.data(0, 0, 0)
         with torch.device("meta"), torch.no_grad():
             x = torch.empty(shapes[-1], dtype=training.boundary_dtype) if shapes else _on_meta(inputs)
-            loss = training.loss(
-                build_stage_module(training, num_stages - 1, num_stages)(x), _on_meta(targets)
-            )
+            module = build_stage_module(training, num_stages - 1, num_stages)
+            watch = BufferWatch(module, num_stages - 1)
+            loss = training.loss(module(x), _on_meta(targets))
     except Exception:
         return
+    watch.check()
     checked_loss(loss, "micro-batch [0, 0] of iteration 0 (checked on the meta device)")
-
-
-def check_buffers_on_meta(training: Training, shapes: list[Shape]) -> None:
-    """Every stage's forward on micro-batch (0, 0, 0) on the meta device (its input shaped as `shapes`
-    says): one that changes a buffer of its state_dict is refused (stage_state.BufferWatch). A stage
-    that does not run on meta is left unchecked."""
-    inputs = training.data(0, 0, 0)[0]
-    for s in range(len(shapes) + 1):
-        try:
-            with torch.device("meta"), torch.no_grad():
-                x = torch.empty(shapes[s - 1], dtype=training.boundary_dtype) if s else _on_meta(inputs)
-                module = build_stage_module(training, s, len(shapes) + 1)
-                watch = BufferWatch(module, s)
-                module(x)
-        except Exception:
-            continue
-        watch.check()
 
 
 def data_samples(num_pipelines: int, num_microbatches: int) -> list[tuple[int, int, int]]:

@@ -115,12 +115,12 @@ def test_unknown_paths_and_methods_answer_in_the_error_shape(client: TestClient)
     of the path (Starlette named only the first route's: `POST` on /v1/jobs, which GET lists too)."""
     job_id, worker = new_job(client)
     for method, path, allow in [
-        ("DELETE", "/v1/jobs", "GET, POST"),
-        ("PUT", "/v1/jobs", "GET, POST"),
-        ("OPTIONS", "/v1/jobs", "GET, POST"),
-        ("DELETE", f"/v1/jobs/{job_id}", "GET, PATCH"),
+        ("DELETE", "/v1/jobs", "GET, HEAD, POST"),
+        ("PUT", "/v1/jobs", "GET, HEAD, POST"),
+        ("OPTIONS", "/v1/jobs", "GET, HEAD, POST"),
+        ("DELETE", f"/v1/jobs/{job_id}", "GET, HEAD, PATCH"),
         ("PUT", f"/v1/jobs/{job_id}/events", "POST"),
-        ("POST", f"/v1/jobs/{job_id}/schedule", "GET"),
+        ("POST", f"/v1/jobs/{job_id}/schedule", "GET, HEAD"),
     ]:
         r = client.request(method, path, headers=CTL)
         assert r.status_code == 405 and r.headers["allow"] == allow, (method, path, r.headers)

@@ -60,8 +60,10 @@ def test_forked_workers_report_their_codes_and_a_kill_from_outside(
     assert not runs_in(running.pid, tmp_path)
     # the supervisor's own signals go through a pidfd: they reach this process, and after its end nothing
     stopped = server.spawn(["store", "--host", "127.0.0.1"], server_env(), tmp_path / "stopped.log")
+    assert stopped._pidfd is not None
     stopped.terminate()
     assert stopped.wait(30) == -signal.SIGTERM
+    assert stopped._pidfd is None  # closed once its code is known
     stopped.kill()  # ended: a no-op, whoever has its pid now
 
 
@@ -152,9 +154,11 @@ def test_a_server_that_never_says_ready_is_ended_and_refuses_workers(
 
 @pytest.mark.timeout(60)
 def test_a_server_that_prints_at_start_up_still_serves(tmp_path: Path) -> None:
-    """Output on the server's stdout before its ready line (here a `sitecustomize` that prints; in
-    life an interpreter start-up hook) is skipped: the server is ready and forks workers."""
-    (tmp_path / "sitecustomize.py").write_text("print('hello from start-up')\n")
+    """Output on the server's stdout before its ready line (here a `sitecustomize` that prints a line
+    and a partial one; in life an interpreter start-up hook) is skipped: the server is ready and
+    forks workers."""
+    hook = "import sys\nsys.stdout.write('hello from start-up\\nno newline'); sys.stdout.flush()\n"
+    (tmp_path / "sitecustomize.py").write_text(hook)  # a whole line and a partial one
     env = dict(server_env(), PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
     s = ForkServer(env)
     try:

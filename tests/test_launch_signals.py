@@ -63,20 +63,29 @@ def test_a_launcher_stopped_from_outside_leaves_no_worker(
         assert "interrupted: every worker stopped" in err and "Traceback" not in err, err
 
 
-def test_a_worker_whose_named_parent_is_already_gone_ends_at_once(tmp_path: Path) -> None:
-    """`--exit-with-parent=PID` where PID is no longer the worker's parent (its supervisor died
-    between starting it and the worker's first look, and it was adopted): the worker ends at once
-    (code 0) instead of watching its adopter. The same worker naming its real parent keeps waiting
-    for its schedule."""
+def test_a_worker_whose_named_parent_is_gone_refuses_to_start(tmp_path: Path) -> None:
+    """`--exit-with-parent=PID` where PID is not the worker's parent (its supervisor died between
+    starting it and the worker's first look, and it was adopted; or a wrapper sits in between): one
+    line, exit 2, instead of watching its adopter. The same worker naming its real parent is past
+    that check (it logs that its schedule file is missing) and keeps waiting for it."""
     job = tmp_path / "job.json"
     job.write_text(JOB.model_dump_json())
     cmd = [sys.executable, "-m", "recycle_cli", "worker", "--job", str(job), "--pipeline", "0",
            "--stage", "0", "--schedule-file", str(tmp_path / "none.json"), "--store", "127.0.0.1:1",
            "--iterations", "2", "--out", str(tmp_path / "out")]  # fmt: skip
-    kept = subprocess.Popen([*cmd, f"--exit-with-parent={os.getpid()}"], cwd=ROOT, stderr=subprocess.DEVNULL)
+    log = tmp_path / "kept.log"
+    with log.open("wb") as out:
+        kept = subprocess.Popen([*cmd, f"--exit-with-parent={os.getpid()}"], cwd=ROOT, stderr=out)
     try:
-        orphan = subprocess.run([*cmd, "--exit-with-parent=1"], cwd=ROOT, capture_output=True, timeout=60)
-        assert orphan.returncode == 0, orphan.stderr[-2000:]
+        orphan = subprocess.run(
+            [*cmd, "--exit-with-parent=1"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+        assert orphan.returncode == 2 and orphan.stderr.count("\n") == 1, orphan.stderr[-2000:]
+        assert "--exit-with-parent=1: process 1 is not this worker's parent" in orphan.stderr
+        deadline = time.monotonic() + 60
+        while "schedule source unreachable" not in log.read_text():  # logged after the parent watch
+            assert kept.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.1)
         time.sleep(1.0)  # longer than the parent watch's poll
         assert kept.poll() is None
     finally:

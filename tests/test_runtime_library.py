@@ -77,6 +77,11 @@ def test_checks_before_start() -> None:
     training = gpt_training(GPTConfig(hidden=16, num_heads=2, seq_len=8, microbatch_size=3))
     inferred = infer_shapes(training.__class__(**{**training.__dict__, "activation_shape": None}), 4)
     assert check_training(training, 4, 2, 2) == inferred == [(3, 8, 16)] * 3
+    # a stage whose forward replaces a non-persistent buffer (a cache): taken; a state_dict one: refused
+    check_training(load_entry("tests.library_entries:forward_cache", {}), 2, 1, 1)
+    for num_stages in (2, 1):  # a stage before the last (shape inference), the last (loss check)
+        with pytest.raises(InvalidInputError, match="stage 0's forward changes its buffer 'seen'"):
+            check_training(load_entry("tests.library_entries:step_counter", {}), num_stages, 1, 1)
     # a given shape that is not what the stages return: refused before start (not at the first send)
     wrong = training.__class__(**{**training.__dict__, "activation_shape": (3, 16, 16)})
     with pytest.raises(InvalidInputError, match=r"activation_shape is \[3, 16, 16\], but stage 0 returns"):
