@@ -27,8 +27,8 @@ argv, environment, working directory and log file, and exits with its code.
 - Replies go on a descriptor of their own (the server's stdout is its stderr), so a stray print of a
   preloaded module cannot corrupt them. Each child draws new `random` and numpy seeds.
 - Each worker is named its parent (`--exit-with-parent=<server pid>`), so one whose server died
-  before it looked ends at once, and the supervisor signals it through a pidfd, never a later
-  process given the same pid.
+  before it looked ends at once (exit 2, one line), and the supervisor signals it through a pidfd,
+  never a later process given the same pid.
 """
 
 from __future__ import annotations
