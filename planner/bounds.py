@@ -68,14 +68,17 @@ def warmup_idle_ms(job: JobSpec, scenario: FailureScenario, stage: int, factor: 
     Fs can run (a B needs its micro-batch's round trip through the later stages; a W needs a B), and
     at most floor(capacity / activation) of them fit. The first B starts no earlier than one round
     trip after the first F: its own F, then F and B at every later stage with the fastest alive peer,
-    plus the cheapest hop each way. What the admitted Fs do not cover of that round trip is idle.
+    plus the cheapest hop each way. What the admitted Fs do not cover of that round trip is idle
+    (without a capacity every hosted F is admitted).
     """
     cap = job.capacity_mib(stage)
     prof = job.stages[stage]
-    if cap is None or prof.activation_mib <= 0 or hosted == 0:
+    if hosted == 0:
         return 0.0
     trip = prof.forward * factor + return_trip_ms(job, scenario, stage)
-    admitted = min(int(cap // prof.activation_mib), hosted)
+    admitted = (
+        hosted if cap is None or prof.activation_mib <= 0 else min(int(cap // prof.activation_mib), hosted)
+    )
     return max(0.0, trip - admitted * prof.forward * factor)
 
 
@@ -101,10 +104,11 @@ def memory_bound(job: JobSpec, scenario: FailureScenario) -> float:
     min(n, capacity / activation) Fs that can cover it. That cost never decreases with n (one more
     micro-batch adds F+B+W and covers at most one F of idle), so the greedy min-max allocation on it
     is optimal over all allocations, and its busiest worker bounds the period of the stage.
-    Without a memory capacity the warm-up idle is not counted (the bound is the load bound). With
-    one, a worker of a later stage also bounds stage 0's cycle, which must wrap around its F+B
-    pairs (`around_ms`), one F longer for some workers of a stage after one that lost workers
-    (planner/bounds_conflict.py); docs/planner.md section 2 derives both.
+    Without a memory capacity all n Fs may run before the first B (the idle counts where n Fs do not
+    cover the round trip: few micro-batches per pipeline). A worker of a later stage also bounds
+    stage 0's cycle, which must wrap around its F+B pairs (`around_ms`), one F longer for some
+    workers of a stage after one that lost workers (planner/bounds_conflict.py); docs/planner.md
+    section 2 derives both.
     """
     failed = {tuple(w) for w in scenario.failed}
     num_d, num_s = job.num_pipelines, job.num_stages
@@ -126,16 +130,12 @@ def memory_bound(job: JobSpec, scenario: FailureScenario) -> float:
         work = prof.forward + prof.backward_input + prof.backward_weight
         fits = 10**9 if cap is None or prof.activation_mib <= 0 else int(cap // prof.activation_mib)
 
-        def cost(
-            d: int, n: int, s: int = s, work: float = work, fits: int = fits, cap: float | None = cap
-        ) -> float:
+        def cost(d: int, n: int, s: int = s, work: float = work, fits: int = fits) -> float:
             phi = factors[s][d]
             trip = job.stages[s].forward * phi + tail[s + 1]
-            idle = (
-                0.0 if cap is None or n == 0 else max(0.0, trip - min(fits, n) * job.stages[s].forward * phi)
-            )
+            idle = 0.0 if n == 0 else max(0.0, trip - min(fits, n) * job.stages[s].forward * phi)
             own = n * work * phi + idle + job.stages[s].optimizer * phi + job.allreduce_ms(s)
-            if cap is None or s == 0 or n == 0:
+            if s == 0 or n == 0:
                 return own
             pair = job.stages[s].forward + job.stages[s].backward_input  # the round-trip term
             return max(own, around[s] + n * pair * phi + idle)

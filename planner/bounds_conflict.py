@@ -9,8 +9,9 @@ a - (D - k) of the a hosting workers of stage b start their first F `delta` late
 chain of bounds.around_ms (F path, the worker's n F+B pairs and warm-up idle, B path, stage-0 W,
 all-reduce, OPT) holds for each with `delta` added for the late ones. The schedule picks the
 allocation and which workers are late: the bound is the least, over the number z of stage-b workers
-that host nothing and over allocations, of the largest chain. Counted where a capacity is given and
-the alive peers of b run at one speed (like the round-trip term), per pair of stages f < b.
+that host nothing and over allocations, of the largest chain. Counted where the alive peers of b run
+at one speed, per pair of stages f < b (without a capacity every hosted F is admitted before the
+first B, as in the warm-up idle).
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ def first_f_conflict_ms(
         delta = job.stages[f].forward * min(factors[f].values())
         for b in range(f + 1, job.num_stages):
             cap, prof = job.capacity_mib(b), job.stages[b]
-            if cap is None or prof.activation_mib <= 0 or len(set(factors[b].values())) != 1:
+            if len(set(factors[b].values())) != 1:
                 continue
-            phi, fits = next(iter(factors[b].values())), int(cap // prof.activation_mib)
+            phi = next(iter(factors[b].values()))
+            fits = total if cap is None or prof.activation_mib <= 0 else int(cap // prof.activation_mib)
             trip = prof.forward * phi + tail[b + 1]
             # Every worker hosting its share, delta late, is an allocation; a chain grows by at least
             # B per micro-batch, so no worker of an allocation below that hosts more than `most`.

@@ -216,14 +216,18 @@ def test_precompute_names_the_keys_whose_solve_failed(
 
     real = background._solve
     failing: list[str] = []
+    ours: list[Any] = []  # this test's service: another test's (a module client's) may still precompute
 
     async def fail_first(service: Any, rt: Any, key: str, sc: Any, limit: float) -> bool:
+        if service is not ours[0]:
+            return await real(service, rt, key, sc, limit)
         if not failing:
             failing.append(key)
         return False if key in failing else await real(service, rt, key, sc, limit)
 
     monkeypatch.setattr(background, "_solve", fail_first)
     with make_client(tmp_path / "d") as c:
+        ours.append(c.app.state.service)  # type: ignore[attr-defined]
         job_id = register(c, max_failures=1).json()["id"]
         deadline = time.monotonic() + 60
         while True:

@@ -37,9 +37,14 @@ def test_memory_bound_adds_warmup_idle() -> None:
     # whose round trip is F0 + (F+B) at stages 1 and 2 = 5 ms; idle >= 5 - 1 = 4 ms per iteration.
     job = uniform_job(1, 3, 4, cap=130.0)
     assert memory_bound(job, FailureScenario()) == pytest.approx(load_bound(job, FailureScenario()) + 4.0)
-    assert memory_bound(uniform_job(1, 3, 4), FailureScenario()) == load_bound(
-        uniform_job(1, 3, 4), FailureScenario()
+    # Without a capacity all 4 Fs run before the first B: they cover 4 of the 5 ms, 1 ms idle (the
+    # round-trip term gives the same 14 ms: tests/test_bounds_roundtrip.py); with 5 Fs none.
+    unlimited = uniform_job(1, 3, 4)
+    assert memory_bound(unlimited, FailureScenario()) == pytest.approx(
+        load_bound(unlimited, FailureScenario()) + 1
     )
+    plenty = uniform_job(1, 3, 5)
+    assert memory_bound(plenty, FailureScenario()) == load_bound(plenty, FailureScenario())
 
 
 @pytest.mark.parametrize(("D", "P", "M"), [(1, 2, 4), (2, 2, 4), (2, 3, 6), (3, 4, 8)])
