@@ -9,9 +9,11 @@ from __future__ import annotations
 import datetime
 import enum
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ortools.sat.python import cp_model
 
@@ -77,6 +79,35 @@ class _ProgressCallback(cp_model.CpSolverSolutionCallback):
             self._progress(now, self.objective_value / self._scale, self.best_objective_bound / self._scale)
 
 
+def _solve_interruptibly(
+    solver: cp_model.CpSolver, model: cp_model.CpModel, cb: cp_model.CpSolverSolutionCallback | None
+) -> Any:
+    """`solver.solve(model, cb)`; on the main thread in a helper thread, so that the main thread can
+    take a KeyboardInterrupt (Ctrl+C) at once: the search is stopped and the interrupt raised."""
+    if threading.current_thread() is not threading.main_thread():
+        return solver.solve(model, cb)
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            out["code"] = solver.solve(model, cb)
+        except BaseException as e:  # the callback's error: raised on the main thread below
+            out["error"] = e
+
+    helper = threading.Thread(target=run, name="cp-sat", daemon=True)
+    helper.start()
+    try:
+        while helper.is_alive():
+            helper.join(0.1)
+    except BaseException:
+        solver.stop_search()
+        helper.join()
+        raise
+    if "error" in out:
+        raise out["error"]  # type: ignore[misc]
+    return out["code"]  # type: ignore[return-value]
+
+
 def solve(
     v: CpSatVars,
     time_limit: datetime.timedelta,
@@ -95,9 +126,12 @@ def solve(
         setattr(solver.parameters, name, value)
     for name, value in params.items():
         setattr(solver.parameters, name, value)
+    # Ctrl+C stays Python's: CP-SAT's own SIGINT handler ends the search quietly and leaves SIGINT at
+    # the default action afterwards, so the next Ctrl+C killed the process without a word.
+    solver.parameters.catch_sigint_signal = False
     t0 = time.monotonic()
     cb = _ProgressCallback(progress, v.timing.scale) if progress is not None else None
-    code = solver.solve(v.model, cb)
+    code = _solve_interruptibly(solver, v.model, cb)
     wall = time.monotonic() - t0
     status = _STATUS.get(code, SolveStatus.MODEL_INVALID)
     objective = solver.objective_value if status.has_solution() else None
