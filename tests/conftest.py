@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -11,6 +12,14 @@ import pytest
 # gain nothing from more, and on a busy 2-core machine spinning OpenMP threads made a worker's
 # iteration take seconds instead of milliseconds (the tests started by hand ran 5-10x slower).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# The Ctrl+C tests signal the processes they start as a terminal would. A test run started in the
+# background by a non-interactive shell (`cmd &` in a script, some CI runners) ignores SIGINT, and
+# every process it starts would inherit that (exec keeps an ignored signal ignored): `recycle plan`
+# then planned on through a Ctrl+C. Earlier, any CP-SAT solve in this process reset SIGINT to its
+# default as a side effect (planner/cpsat/solve.py now leaves it alone), which hid this.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
