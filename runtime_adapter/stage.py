@@ -71,11 +71,14 @@ def _on_meta(t: torch.Tensor) -> torch.Tensor:
     return t.to("meta") if isinstance(t, torch.Tensor) else t
 
 
-def infer_shapes(training: Training, num_stages: int) -> list[Shape]:
+def infer_shapes(
+    training: Training, num_stages: int, built: Sequence[nn.Module] | None = None
+) -> list[Shape]:
     """The output shape of stages 0..P-2 (what goes over the wire), by running every stage on the meta
     device on micro-batch (0, 0, 0) (no memory, no compute); `activation_shape`, where set, must agree,
     and is taken as given for a model that does not run on meta. A stage whose forward changes a
-    buffer of its state_dict is refused (stage_state.BufferWatch; the last one: check_loss_on_meta)."""
+    buffer of its state_dict is refused (stage_state.BufferWatch; the last one: check_loss_on_meta).
+    `built`: the stages already built on the meta device (check_training's), else they are built."""
     if num_stages == 1:
         return []
     given = training.activation_shape
@@ -84,7 +87,7 @@ def infer_shapes(training: Training, num_stages: int) -> list[Shape]:
         shapes: list[Shape] = []
         with torch.device("meta"), torch.no_grad():
             for s in range(num_stages - 1):
-                module = build_stage_module(training, s, num_stages)
+                module = build_stage_module(training, s, num_stages) if built is None else built[s]
                 watch = BufferWatch(module, s)
                 x = module(x)
                 watch.check()  # a forward that changes a state_dict buffer is refused
@@ -163,6 +166,7 @@ def check_training(
                 f"{_layout(ref)}: every micro-batch must have the same shapes (the stages exchange "
                 "fixed-shape activations; pad or drop to a fixed length)"
             )
+    built: list[nn.Module] = []  # on the meta device, for the shape, loss and buffer checks below
     for s in range(num_stages):
         try:
             with torch.device("meta"):
@@ -187,8 +191,9 @@ def check_training(
                 "or a LayerNorm)"
             )
         check_home_split(training, s, num_stages, module)
-    shapes = infer_shapes(training, num_stages)
-    check_loss_on_meta(training, shapes)
+        built.append(module)
+    shapes = infer_shapes(training, num_stages, built)
+    check_loss_on_meta(training, shapes, built[-1])
     return shapes
 
 
@@ -236,7 +241,7 @@ def checked_loss(loss: object, where: str) -> torch.Tensor:
     )
 
 
-def check_loss_on_meta(training: Training, shapes: list[Shape]) -> None:
+def check_loss_on_meta(training: Training, shapes: list[Shape], last: nn.Module | None = None) -> None:
     """The last stage and the loss on micro-batch (0, 0, 0) on the meta device (no memory, no compute;
     its input shaped as infer_shapes found, `shapes`): a loss that is no one-element float tensor, or
     a last stage whose forward changes a state_dict buffer, is refused before start. A model that
@@ -246,7 +251,7 @@ def check_loss_on_meta(training: Training, shapes: list[Shape]) -> None:
         inputs, targets = training.data(0, 0, 0)
         with torch.device("meta"), torch.no_grad():
             x = torch.empty(shapes[-1], dtype=training.boundary_dtype) if shapes else _on_meta(inputs)
-            module = build_stage_module(training, num_stages - 1, num_stages)
+            module = build_stage_module(training, num_stages - 1, num_stages) if last is None else last
             watch = BufferWatch(module, num_stages - 1)
             loss = training.loss(module(x), _on_meta(targets))
     except Exception:

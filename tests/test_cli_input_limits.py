@@ -7,6 +7,7 @@ Each is now one line on stderr and exit 2 (before any work starts where it can b
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -191,15 +192,29 @@ def test_precompute_refuses_more_failures_than_workers(
 
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path: Path) -> None:
-    """Ctrl+C in `recycle plan` printed a KeyboardInterrupt traceback."""
-    job = str(ROOT / "examples" / "gpt3-13b-p8d8-mem1x.json")
-    cmd = [sys.executable, "-m", "recycle_cli", "plan", job, "--fail", "1,4", "--time-limit", "30"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(4)  # planning
+    """Ctrl+C in `recycle plan` printed a KeyboardInterrupt traceback. Sent while CP-SAT refines
+    (planner/cpsat/solve.py): CP-SAT's own SIGINT handler swallowed a Ctrl+C during a search (the
+    plan went on) and left SIGINT at its default after one (the process died without a word, -2).
+    Now the search stops at once and the Ctrl+C is one line, exit 130."""
+    job = str(ROOT / "examples" / "gpt3-6.7b-p8d4-mem1x.json")
+    cmd = [sys.executable, "-m", "recycle_cli", "plan", job, "--fail", "1,2", "--fail", "2,5",
+           "--time-limit", "60"]  # fmt: skip
+    env = dict(os.environ, RECYCLE_GREEDY_BUDGET_S="1")  # reach the CP-SAT windows within seconds
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:  # progress lines, up to the one that says CP-SAT starts
+        seen.append(line)
+        if "cp-sat: refining" in line:
+            break
+    time.sleep(3)  # window steps of 2 s: one search has ended (SIGINT was left at default), one runs
+    assert proc.poll() is None, "".join(seen)
+    sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", err
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", (proc.returncode, err)
     assert "Traceback" not in err, err
+    assert time.monotonic() - sent < 10  # the search stopped, not ran out its 60 s
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

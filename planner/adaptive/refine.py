@@ -31,6 +31,9 @@ def refine_with_cpsat(
     Returns the replayed schedule of the model's orders (None when it found none or the
     simulator rejects them) and a summary: status, model period, proven bound, wall time.
     """
+    if progress:
+        how = "window re-solves" if windows else "the whole model"
+        progress(f"cp-sat: refining the greedy plan for up to {time_limit.total_seconds():g} s ({how})")
     if windows:
         return _refine_windows(problem, hint, time_limit, lower_bound_ms, memory_bound_ms, progress)
 

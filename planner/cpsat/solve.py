@@ -87,21 +87,25 @@ def _solve_interruptibly(
     if threading.current_thread() is not threading.main_thread():
         return solver.solve(model, cb)
     out: dict[str, object] = {}
+    done = threading.Event()  # not Thread.join: one a KeyboardInterrupt cut short can mark a running
+    # thread as ended (CPython's _wait_for_tstate_lock releases the thread's own lock), and the
+    # process then exits during the search ("terminate called without an active exception")
 
     def run() -> None:
         try:
             out["code"] = solver.solve(model, cb)
         except BaseException as e:  # the callback's error: raised on the main thread below
             out["error"] = e
+        finally:
+            done.set()
 
-    helper = threading.Thread(target=run, name="cp-sat", daemon=True)
-    helper.start()
+    threading.Thread(target=run, name="cp-sat", daemon=True).start()
     try:
-        while helper.is_alive():
-            helper.join(0.1)
+        while not done.wait(0.1):
+            pass
     except BaseException:
         solver.stop_search()
-        helper.join()
+        done.wait()
         raise
     if "error" in out:
         raise out["error"]  # type: ignore[misc]
