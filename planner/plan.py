@@ -147,9 +147,9 @@ def plan(
     # where memory does not cover a round trip (it never paid there, section 4e: the tight policies run).
     job_ops = 3 * job.num_pipelines * job.num_microbatches * job.num_stages
     covered = round_trips_covered(job, norm.scenario)
-    capped = any(job.capacity_mib(s) is not None for s in range(job.num_stages))
     # (without a capacity the bound may exceed the load bound through few micro-batches, not memory)
-    search = red is None and (mb <= lb * (1 + 1e-9) or not capped) and job_ops <= SMALL_OPS and covered
+    uncapped = job.memory_capacity_mib is None
+    search = red is None and (mb <= lb * (1 + 1e-9) or uncapped) and job_ops <= SMALL_OPS and covered
     best = plan_greedy(
         small,
         norm.scenario,

@@ -32,6 +32,12 @@ def server_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
 
 
+def env_with_startup_hook(tmp_path: Path, code: str) -> dict[str, str]:
+    """server_env() whose interpreter runs `code` at start-up (a `sitecustomize` in `tmp_path`)."""
+    (tmp_path / "sitecustomize.py").write_text(code)
+    return dict(server_env(), PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+
+
 @pytest.fixture
 def server(tmp_path: Path):
     s = ForkServer(server_env())
@@ -141,8 +147,7 @@ def test_a_server_that_never_says_ready_is_ended_and_refuses_workers(
     import) is killed after READY_TIMEOUT_S and refuses spawns, so the supervisor starts plain
     processes instead of waiting forever."""
     monkeypatch.setattr(forkserver, "READY_TIMEOUT_S", 2.0)
-    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(600)\n")
-    env = dict(server_env(), PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    env = env_with_startup_hook(tmp_path, "import time\ntime.sleep(600)\n")
     started = time.monotonic()
     s = ForkServer(env)
     assert not s.alive and time.monotonic() - started < 10
@@ -158,8 +163,7 @@ def test_a_server_that_prints_at_start_up_still_serves(tmp_path: Path) -> None:
     and a partial one; in life an interpreter start-up hook) is skipped: the server is ready and
     forks workers."""
     hook = "import sys\nsys.stdout.write('hello from start-up\\nno newline'); sys.stdout.flush()\n"
-    (tmp_path / "sitecustomize.py").write_text(hook)  # a whole line and a partial one
-    env = dict(server_env(), PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    env = env_with_startup_hook(tmp_path, hook)  # a whole line and a partial one
     s = ForkServer(env)
     try:
         assert s.alive
