@@ -38,6 +38,7 @@ LLAMA3_GPU_MTBF_H = (
     50_700.0  # GPU-hours between failures per GPU (Meta, Llama 3; /work/shared/FAILURE_RATES.md)
 )
 MAX_CHECKPOINTS = 2_000_000  # checkpoints one simulated run may take (each is a timeline segment)
+DENSE_FAILURES = 1_000  # more failures in a trace than this get a warning (each is a new failure set)
 
 
 def _duration(default_unit: str = "h") -> Any:
@@ -63,7 +64,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help=f"comma-separated strategies (default: all of {', '.join(ALL_STRATEGIES)}; opt-in: "
         f"{', '.join(EXTRA_STRATEGIES)}, docs/strategies.md)",
     )
-    p.add_argument("--workers", type=int, default=2, help="planning processes for cache misses (default 2)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="processes for cache misses: plans, and simulate's baseline replays (default 2)",
+    )
     p.add_argument(
         "--time-limit", type=finite_float, default=3.0, help="greedy budget per plan, seconds (default 3)"
     )
@@ -193,7 +199,7 @@ def cmd_whatif(args: argparse.Namespace) -> int:
 
 
 def add_simulate_parser(sub: Any) -> None:
-    """`recycle simulate JOB (--trace CSV | --mtbf 6h --repair 2h) --duration 7d --seed 1`."""
+    """`recycle simulate JOB (--trace CSV | --job-mtbf 6h | --mtbf 1536h) --repair 2h --duration 7d`."""
     p = sub.add_parser(
         "simulate",
         help="event-driven run of every strategy over a failure trace",
@@ -210,10 +216,17 @@ def add_simulate_parser(sub: Any) -> None:
         "ones the plan cache misses; slower, and reports what the estimate would have changed",
     )
     p.add_argument("--trace", help="CSV of time,worker,event (see docs/whatif.md)")
-    p.add_argument(
+    mtbf = p.add_mutually_exclusive_group()
+    mtbf.add_argument(
         "--mtbf",
         type=_duration("h"),
         help="mean time between failures of ONE worker (e.g. 6h; a bare number is hours)",
+    )
+    mtbf.add_argument(
+        "--job-mtbf",
+        type=_duration("h"),
+        help="mean time between failures of the whole job, any worker (e.g. 6h): --mtbf this times "
+        "the number of workers",
     )
     p.add_argument(
         "--gpu-mtbf",
@@ -251,6 +264,33 @@ def _gpus_per_worker(job: JobSpec, given: int | None) -> int:
     model = getattr(job, "model", None)
     tp = model.get("tensor_parallel") if isinstance(model, dict) else None
     return int(tp) if isinstance(tp, int) and tp > 0 else 1
+
+
+def _warn_if_dense(events: list[Any], args: argparse.Namespace, job_mtbf: float, num_workers: int) -> None:
+    """A trace with more than DENSE_FAILURES failures gets a warning before the run: each event is a
+    new failure set, and once every pipeline is touched each baseline replays the whole grid, so such
+    a run takes long (docs/whatif.md); --mtbf is per worker, a job-level figure is --job-mtbf."""
+    in_run = [e for e in events if e.time_s < args.duration]
+    failures = sum(e.kind == "fail" for e in in_run)
+    if failures <= DENSE_FAILURES:
+        return
+    down: set[Any] = set()
+    most = 0
+    for e in in_run:
+        (down.add if e.kind == "fail" else down.discard)(e.worker)
+        most = max(most, len(down))
+    per_worker = (
+        f" (--mtbf {args.mtbf / 3600:g} h is per worker: {job_mtbf / 60:.3g} min for the job's "
+        f"{num_workers} workers; --job-mtbf gives the job's MTBF)"
+        if args.mtbf is not None and args.job_mtbf is None and not args.trace
+        else ""
+    )
+    print(
+        f"warning: {failures:,} failures over {args.duration / 3600:g} h{per_worker}, up to {most} workers "
+        "down at once: each event is a new failure set to estimate and replay, so this run can take "
+        "long (progress is shown)",
+        file=sys.stderr,
+    )
 
 
 def _failure_sets(events: list[Any]) -> list[FailureScenario]:
@@ -366,6 +406,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from whatif.estimate import ESTIMATE_METHOD
     from whatif.events import simulate
     from whatif.precompute import plan_missing
+    from whatif.prefetch import prefetch
     from whatif.scenarios import Canonical
     from whatif.strategies import young_daly_interval_s
     from whatif.structured import failure_free_1f1b_ms
@@ -377,8 +418,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     job, costs, cache, strategies, fallback = _load(args, exact=args.exact)
     gpus = _gpus_per_worker(job, args.gpus_per_worker)
     num_workers = job.num_pipelines * job.num_stages
-    if args.mtbf is not None and args.mtbf <= 0:
-        raise InvalidInputError("--mtbf must be above 0")
+    for flag, value in (("--mtbf", args.mtbf), ("--job-mtbf", args.job_mtbf)):
+        if value is not None and value <= 0:
+            raise InvalidInputError(f"{flag} must be above 0")
+    if args.job_mtbf is not None:
+        args.mtbf = args.job_mtbf * num_workers
     worker_mtbf = args.mtbf if args.mtbf is not None else args.gpu_mtbf / gpus
     if args.trace:
         events = read_trace(args.trace, job)
@@ -394,6 +438,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     else:
         events = generate_trace(job, worker_mtbf, args.repair, args.duration, args.seed)
         job_mtbf = worker_mtbf / num_workers
+    _warn_if_dense(events, args, job_mtbf, num_workers)
     if args.write_trace:
         from planner.cli_io import make_parent
 
@@ -423,6 +468,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             job, models, fallback, events, args.duration, costs, interval, base_ms, gpus, progress=progress
         )
 
+    prefetch(job, strategies, _failure_sets([e for e in events if e.time_s < args.duration]), args.workers)
     runs = play(strategies, progress=True)
     print(
         f"{job.name}: {sum(e.kind == 'fail' and e.time_s < args.duration for e in events)} failures over "

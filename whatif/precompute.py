@@ -11,13 +11,14 @@ Planning is greedy only unless `use_cpsat` (bulk planning is where time matters)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import signal
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
@@ -187,28 +188,37 @@ def plan_missing(
 
         plan_on_ray(ray_address, job_json, [c.scenario for c in todo.values()], use_cpsat, limit_s, record)
         return already, record.planned, record.unrecoverable
-    # The processes end with this one (even killed: exit_with_parent); an interrupted run leaves them
-    # to finish or die instead of waiting for the plans in flight.
+    try:
+        with local_pool(num_workers) as pool:
+            pending: set[Future[dict[str, Any]]] = {
+                pool.submit(_plan_task, job_json, c.scenario.model_dump_json(), use_cpsat, limit_s)
+                for c in todo.values()
+            }
+            while pending:
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    record(fut.result())
+    except BrokenProcessPool:
+        raise PlanningProcessDied(record.planned) from None
+    return already, record.planned, record.unrecoverable
+
+
+@contextlib.contextmanager
+def local_pool(num_workers: int) -> Iterator[ProcessPoolExecutor]:
+    """A pool of `num_workers` processes that end with this one (even killed: exit_with_parent).
+    Left by an exception (Ctrl+C, a broken pool), it ends its processes instead of waiting for the
+    tasks in flight: their results are lost anyway, and the processes would run the queued ones
+    first (the exit waits for them)."""
     pool = ProcessPoolExecutor(max(1, num_workers), initializer=_pool_process, initargs=(os.getpid(),))
     done = False
     try:
-        pending: set[Future[dict[str, Any]]] = {
-            pool.submit(_plan_task, job_json, c.scenario.model_dump_json(), use_cpsat, limit_s)
-            for c in todo.values()
-        }
-        while pending:
-            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in finished:
-                record(fut.result())
+        yield pool
         done = True
-    except BrokenProcessPool:
-        raise PlanningProcessDied(record.planned) from None
     finally:
-        if not done:  # interrupted or broken: the plans in flight are lost anyway, and the pool's
-            for proc in list((getattr(pool, "_processes", None) or {}).values()):  # processes would
-                proc.terminate()  # run the queued ones first (the exit waits for them)
+        if not done:
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                proc.terminate()
         pool.shutdown(wait=done, cancel_futures=True)
-    return already, record.planned, record.unrecoverable
 
 
 def precompute(

@@ -25,6 +25,8 @@ replay over many small cases.
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from functools import lru_cache
 
 from planner.contract import FailureScenario, JobSpec
@@ -120,24 +122,60 @@ def baseline_times(
 
     if name not in BASELINES:
         raise InvalidInputError(f"unknown baseline {name!r}; known: {', '.join(sorted(BASELINES))}")
-    case = reduced_case(name, job, scenario)
-    if case is None:
-        iteration_ms, cold_ms, breach = _replayed(name, job, scenario)
-    else:  # many failure sets share a reduced case (1f1b-survivors: all with the same number of
-        # dropped pipelines), so those are remembered, with or without the memory check
-        small, small_scenario = case
-        iteration_ms, cold_ms, breach = _replayed_reduced(
-            name, small.model_dump_json(), small_scenario.model_dump_json()
-        )
+    iteration_ms, cold_ms, breach = replayed(replay_key(name, job, scenario))
     if check_memory and breach is not None:
         raise ScheduleRuleError("memory", breach)
     return iteration_ms, cold_ms
 
 
-@lru_cache(maxsize=1024)
-def _replayed_reduced(name: str, job_json: str, scenario_json: str) -> tuple[float, float, str | None]:
-    job = JobSpec.model_validate_json(job_json)
-    return _replayed(name, job, FailureScenario.model_validate_json(scenario_json))
+ReplayKey = tuple[str, str, str]  # (baseline, job JSON, scenario JSON) of what is replayed
+Replayed = tuple[float, float, str | None]  # (iteration time, cold-start makespan, memory breach)
+MAX_REMEMBERED = 100_000  # replays kept in memory per process (~400 bytes each: the keys are hashed)
+_remembered: OrderedDict[tuple[str, str, str], Replayed] = OrderedDict()
+
+
+def replay_key(name: str, job: JobSpec, scenario: FailureScenario) -> ReplayKey:
+    """What `baseline_times(name, job, scenario)` replays: the reduced job and scenario where the
+    structure allows (many failure sets share one: 1f1b-survivors' share the number of dropped
+    pipelines), else the whole grid."""
+    case = reduced_case(name, job, scenario)
+    small, small_scenario = case if case is not None else (job, scenario)
+    return name, small.model_dump_json(), small_scenario.model_dump_json()
+
+
+def _short(key: ReplayKey) -> tuple[str, str, str]:
+    return key[0], hashlib.sha256(key[1].encode()).hexdigest(), hashlib.sha256(key[2].encode()).hexdigest()
+
+
+def replay(key: ReplayKey) -> Replayed:
+    """The replay of `key`, computed here (what whatif/prefetch.py's processes run)."""
+    name, job_json, scenario_json = key
+    return _replayed(
+        name, JobSpec.model_validate_json(job_json), FailureScenario.model_validate_json(scenario_json)
+    )
+
+
+def remember(key: ReplayKey, result: Replayed) -> None:
+    """Keep a replay's figures for `replayed` (the oldest go past MAX_REMEMBERED)."""
+    short = _short(key)
+    _remembered[short] = result
+    _remembered.move_to_end(short)
+    while len(_remembered) > MAX_REMEMBERED:
+        _remembered.popitem(last=False)
+
+
+def is_remembered(key: ReplayKey) -> bool:
+    return _short(key) in _remembered
+
+
+def replayed(key: ReplayKey) -> Replayed:
+    """The replay of `key`, remembered: recycle+barrier's estimate and reroute+decoupled replay the
+    same ZB-H1 orders, and whatif/prefetch.py computes a trace's replays ahead in processes."""
+    hit = _remembered.get(_short(key))
+    if hit is None:
+        hit = replay(key)
+        remember(key, hit)
+    return hit
 
 
 def _replayed(name: str, job: JobSpec, scenario: FailureScenario) -> tuple[float, float, str | None]:

@@ -66,6 +66,11 @@ class Strategy:
         """Uncached model evaluation (scenario is in canonical form)."""
         raise NotImplementedError
 
+    def replays(self, scenario: FailureScenario) -> tuple[str, ...]:
+        """The planner.baselines schedules `evaluate(scenario)` would replay (scenario canonical; a
+        warm cache needs none): whatif/prefetch.py computes them ahead, in processes."""
+        return ()
+
     def outcome(self, scenario: FailureScenario) -> Outcome:
         """Memoized by normalized key: strategies are invariant under pipeline permutations."""
         norm = normalize(self.job, scenario)

@@ -126,6 +126,13 @@ class Recycle(Strategy):
         self.used[key] = rec
         return rec
 
+    def replays(self, scenario: FailureScenario) -> tuple[str, ...]:
+        """An estimated recycle+barrier record replays ZB-H1 (whatif/estimate.py)."""
+        if self._field != "barrier_ms" or self.exact or lost_stages(self.job, scenario):
+            return ()
+        key = normalize(self.job, scenario).key
+        return () if self.use_plans and self.cache.has(key) else ("zb-h1",)
+
     def evaluate(self, scenario: FailureScenario) -> Outcome:
         rec = self.record(scenario)
         if rec["unrecoverable"]:
@@ -160,6 +167,15 @@ class BaselineSchedule(Strategy):
     def switch_s(self) -> float:
         return self.costs.reroute_s
 
+    def _cached(self, scenario: FailureScenario) -> dict[str, Any] | None:
+        rec = self.cache.get(normalize(self.job, scenario).key, kind=self.baseline)
+        return rec if rec is not None and rec.get("version") == BASELINE_RECORD_VERSION else None
+
+    def replays(self, scenario: FailureScenario) -> tuple[str, ...]:
+        if lost_stages(self.job, scenario) or self._cached(scenario) is not None:
+            return ()
+        return (self.baseline,)
+
     def evaluate(self, scenario: FailureScenario) -> Outcome:
         from whatif.structured import baseline_times
 
@@ -167,8 +183,8 @@ class BaselineSchedule(Strategy):
         if lost:
             return Outcome(None, f"stage(s) {lost} have no alive worker")
         key = normalize(self.job, scenario).key
-        rec = self.cache.get(key, kind=self.baseline)
-        if rec is None or rec.get("version") != BASELINE_RECORD_VERSION:
+        rec = self._cached(scenario)
+        if rec is None:
             try:  # replayed on a reduced grid where the structure allows: same figures
                 iteration_ms, cold_ms = baseline_times(self.baseline, self.job, scenario)
             except InvalidInputError as exc:
