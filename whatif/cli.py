@@ -170,6 +170,7 @@ def add_whatif_parser(sub: Any) -> None:
 def cmd_whatif(args: argparse.Namespace) -> int:
     """Print the what-if table; optionally plot and write JSON."""
     from whatif.precompute import plan_missing
+    from whatif.prefetch import prefetch
     from whatif.structured import failure_free_1f1b_ms
     from whatif.table import choose_scenarios, evaluate, render
 
@@ -183,9 +184,10 @@ def cmd_whatif(args: argparse.Namespace) -> int:
         )
     t0 = time.perf_counter()
     chosen = choose_scenarios(job, args.max_failures, args.max_scenarios, args.seed)
+    every = [c for scenarios, _ in chosen.values() for c in scenarios]
     if {"recycle", "recycle+barrier"} & set(strategies):
-        every = [c for scenarios, _ in chosen.values() for c in scenarios]
         plan_missing(job, every, cache, args.workers, time_limit=timedelta(seconds=args.time_limit))
+    prefetch(job, strategies, [c.scenario for c in every], args.workers)
     result = evaluate(job, strategies, fallback, failure_free_1f1b_ms(job), chosen)
     print(render(result, list(strategies)))
     print(f"(done in {time.perf_counter() - t0:.1f} s)", flush=True)
