@@ -64,6 +64,35 @@ def test_replays_computed_ahead_give_the_figures_of_the_run_that_replays_them_it
     assert {key: replay(key) for key in ahead} == ahead  # computed here: the same figures
 
 
+def test_the_run_replays_only_what_the_processes_could_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    strategies = make_strategies(JOB, Costs(), exact=False)
+    sets = _failure_sets(EVENTS)
+    keys = needed(JOB, strategies, sets)
+    prefetch(JOB, strategies, sets, num_workers=2, progress=False)
+    left = needed(JOB, strategies, sets)
+    here: list[ReplayKey] = []
+
+    def counted(key: ReplayKey) -> Replayed:
+        here.append(key)
+        return replay(key)
+
+    monkeypatch.setattr(structured, "replay", counted)
+    for scenario in sets:
+        for strategy in strategies.values():
+            strategy.outcome(scenario)
+    assert sorted(set(here)) == sorted(left) and len(left) < len(keys) / 10, (len(here), len(left))
+
+
+def test_least_recently_used_replays_go_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(structured, "MAX_REMEMBERED", 2)
+    a, b, c = (("zb-h1", JOB.model_dump_json(), sc.model_dump_json()) for sc in _failure_sets(EVENTS)[:3])
+    for key in (a, b):
+        structured.remember(key, (1.0, 1.0, None))
+    structured.replayed(a)  # a hit: b is now the least recently used
+    structured.remember(c, (1.0, 1.0, None))
+    assert structured.is_remembered(a) and structured.is_remembered(c) and not structured.is_remembered(b)
+
+
 def test_one_worker_or_a_warm_cache_computes_nothing_ahead() -> None:
     strategies = make_strategies(JOB, Costs(), exact=False)
     sets = _failure_sets(EVENTS)
@@ -83,7 +112,7 @@ def _dies(key: ReplayKey) -> tuple[ReplayKey, Replayed | None]:
 
 
 def test_a_killed_replay_process_leaves_the_rest_to_the_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     trace, out = tmp_path / "t.csv", tmp_path / "plain.json"
     job_file = tmp_path / "job.json"
@@ -100,6 +129,7 @@ def test_a_killed_replay_process_leaves_the_rest_to_the_run(
     broken = tmp_path / "broken.json"
     assert run([*common, "--trace", str(trace), "--workers", "2", "--json", str(broken)]) == 0
     assert (tmp_path / "died").exists()  # the replays ahead were tried, and their process died
+    assert "a baseline replay process died: the run replays the other" in capsys.readouterr().err
     assert figures(broken) == figures(out)
 
 
@@ -136,6 +166,7 @@ def test_job_mtbf_is_the_worker_mtbf_over_the_workers(
 def test_a_trace_dense_with_failures_is_warned_about_before_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    monkeypatch.setattr("whatif.cli.DENSE_WORK", 0)
     monkeypatch.setattr("whatif.cli.DENSE_FAILURES", 30)  # 6h: ~60 failures, 2h job: ~12
     job_file = tmp_path / "job.json"
     job_file.write_text(JOB.model_dump_json())

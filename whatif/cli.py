@@ -38,7 +38,10 @@ LLAMA3_GPU_MTBF_H = (
     50_700.0  # GPU-hours between failures per GPU (Meta, Llama 3; /work/shared/FAILURE_RATES.md)
 )
 MAX_CHECKPOINTS = 2_000_000  # checkpoints one simulated run may take (each is a timeline segment)
-DENSE_FAILURES = 1_000  # more failures in a trace than this get a warning (each is a new failure set)
+# A trace with more failures than DENSE_FAILURES, and more than DENSE_WORK failures x workers, gets a
+# warning: each failure is a new failure set, replayed on up to the whole grid (a small grid is quick).
+DENSE_FAILURES = 1_000
+DENSE_WORK = 200_000
 
 
 def _duration(default_unit: str = "h") -> Any:
@@ -68,7 +71,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "--workers",
         type=int,
         default=2,
-        help="processes for cache misses: plans, and simulate's baseline replays (default 2)",
+        help="processes for cache misses: plans, and the baselines' replays (default 2)",
     )
     p.add_argument(
         "--time-limit", type=finite_float, default=3.0, help="greedy budget per plan, seconds (default 3)"
@@ -227,14 +230,15 @@ def add_simulate_parser(sub: Any) -> None:
     mtbf.add_argument(
         "--job-mtbf",
         type=_duration("h"),
-        help="mean time between failures of the whole job, any worker (e.g. 6h): --mtbf this times "
-        "the number of workers",
+        help="mean time between failures of the whole job, any worker (e.g. 6h; a bare number is hours): "
+        "--mtbf this times the number of workers; with --trace it sets the checkpoint interval only",
     )
     p.add_argument(
         "--gpu-mtbf",
         type=_duration("h"),
         default=LLAMA3_GPU_MTBF_H * 3600,
-        help="per-GPU MTBF, divided by --gpus-per-worker when --mtbf is absent (default: Llama 3's 50,700 h)",
+        help="per-GPU MTBF, divided by --gpus-per-worker without --mtbf/--job-mtbf "
+        "(default: Llama 3's 50,700 h)",
     )
     p.add_argument("--gpus-per-worker", type=int, help="default: the spec's model.tensor_parallel, else 1")
     p.add_argument(
@@ -269,12 +273,12 @@ def _gpus_per_worker(job: JobSpec, given: int | None) -> int:
 
 
 def _warn_if_dense(events: list[Any], args: argparse.Namespace, job_mtbf: float, num_workers: int) -> None:
-    """A trace with more than DENSE_FAILURES failures gets a warning before the run: each event is a
-    new failure set, and once every pipeline is touched each baseline replays the whole grid, so such
-    a run takes long (docs/whatif.md); --mtbf is per worker, a job-level figure is --job-mtbf."""
+    """A dense trace (DENSE_FAILURES, DENSE_WORK) gets a warning before the run: each event is a new
+    failure set, and once every pipeline is touched each baseline replays the whole grid, so such a
+    run takes long (docs/whatif.md); --mtbf is per worker, a job-level figure is --job-mtbf."""
     in_run = [e for e in events if e.time_s < args.duration]
     failures = sum(e.kind == "fail" for e in in_run)
-    if failures <= DENSE_FAILURES:
+    if failures <= DENSE_FAILURES or failures * num_workers <= DENSE_WORK:
         return
     down: set[Any] = set()
     most = 0
@@ -282,7 +286,7 @@ def _warn_if_dense(events: list[Any], args: argparse.Namespace, job_mtbf: float,
         (down.add if e.kind == "fail" else down.discard)(e.worker)
         most = max(most, len(down))
     per_worker = (
-        f" (--mtbf {args.mtbf / 3600:g} h is per worker: {job_mtbf / 60:.3g} min for the job's "
+        f" (--mtbf {args.mtbf / 3600:.3g} h is per worker: {job_mtbf / 60:.3g} min for the job's "
         f"{num_workers} workers; --job-mtbf gives the job's MTBF)"
         if args.mtbf is not None and args.job_mtbf is None and not args.trace
         else ""

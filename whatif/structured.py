@@ -156,7 +156,7 @@ def replay(key: ReplayKey) -> Replayed:
 
 
 def remember(key: ReplayKey, result: Replayed) -> None:
-    """Keep a replay's figures for `replayed` (the oldest go past MAX_REMEMBERED)."""
+    """Keep a replay's figures for `replayed` (the least recently used go past MAX_REMEMBERED)."""
     short = _short(key)
     _remembered[short] = result
     _remembered.move_to_end(short)
@@ -171,10 +171,13 @@ def is_remembered(key: ReplayKey) -> bool:
 def replayed(key: ReplayKey) -> Replayed:
     """The replay of `key`, remembered: recycle+barrier's estimate and reroute+decoupled replay the
     same ZB-H1 orders, and whatif/prefetch.py computes a trace's replays ahead in processes."""
-    hit = _remembered.get(_short(key))
+    short = _short(key)
+    hit = _remembered.get(short)
     if hit is None:
         hit = replay(key)
         remember(key, hit)
+    else:
+        _remembered.move_to_end(short)  # least recently used goes first
     return hit
 
 
