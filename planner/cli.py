@@ -260,5 +260,6 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except KeyboardInterrupt:  # Ctrl+C (commands with something to keep say more themselves)
-        print("interrupted", file=sys.stderr)
+        # On a terminal the line may hold a progress bar drawn in place (and the echoed ^C)
+        print("\ninterrupted" if sys.stderr.isatty() else "interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
