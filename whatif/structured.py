@@ -26,6 +26,7 @@ replay over many small cases.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from functools import lru_cache
 
@@ -132,6 +133,7 @@ ReplayKey = tuple[str, str, str]  # (baseline, job JSON, scenario JSON) of what 
 Replayed = tuple[float, float, str | None]  # (iteration time, cold-start makespan, memory breach)
 MAX_REMEMBERED = 100_000  # replays kept in memory per process (~400 bytes each: the keys are hashed)
 _remembered: OrderedDict[tuple[str, str, str], Replayed] = OrderedDict()
+_remembered_lock = threading.Lock()  # callers may replay from several threads
 
 
 def replay_key(name: str, job: JobSpec, scenario: FailureScenario) -> ReplayKey:
@@ -158,10 +160,11 @@ def replay(key: ReplayKey) -> Replayed:
 def remember(key: ReplayKey, result: Replayed) -> None:
     """Keep a replay's figures for `replayed` (the least recently used go past MAX_REMEMBERED)."""
     short = _short(key)
-    _remembered[short] = result
-    _remembered.move_to_end(short)
-    while len(_remembered) > MAX_REMEMBERED:
-        _remembered.popitem(last=False)
+    with _remembered_lock:
+        _remembered[short] = result
+        _remembered.move_to_end(short)
+        while len(_remembered) > MAX_REMEMBERED:
+            _remembered.popitem(last=False)
 
 
 def is_remembered(key: ReplayKey) -> bool:
@@ -172,12 +175,13 @@ def replayed(key: ReplayKey) -> Replayed:
     """The replay of `key`, remembered: recycle+barrier's estimate and reroute+decoupled replay the
     same ZB-H1 orders, and whatif/prefetch.py computes a trace's replays ahead in processes."""
     short = _short(key)
-    hit = _remembered.get(short)
+    with _remembered_lock:
+        hit = _remembered.get(short)
+        if hit is not None:
+            _remembered.move_to_end(short)  # the least recently used go first
     if hit is None:
         hit = replay(key)
         remember(key, hit)
-    else:
-        _remembered.move_to_end(short)  # least recently used goes first
     return hit
 
 
