@@ -133,23 +133,17 @@ def test_a_killed_replay_process_leaves_the_rest_to_the_run(
     assert figures(broken) == figures(out)
 
 
+def simulate_args(tmp_path: Path) -> list[str]:
+    """`recycle simulate` of JOB over a generated day, without the MTBF."""
+    job_file = tmp_path / "job.json"
+    job_file.write_text(JOB.model_dump_json())
+    return ["simulate", str(job_file), "--repair", "1h", "--duration", "1d", "--seed", "4", "--workers", "1"]
+
+
 def test_job_mtbf_is_the_worker_mtbf_over_the_workers(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    job_file = tmp_path / "job.json"
-    job_file.write_text(JOB.model_dump_json())
-    common = [
-        "simulate",
-        str(job_file),
-        "--repair",
-        "1h",
-        "--duration",
-        "1d",
-        "--seed",
-        "4",
-        "--workers",
-        "1",
-    ]
+    common = simulate_args(tmp_path)
     per_worker, per_job = tmp_path / "w.json", tmp_path / "j.json"
     assert run([*common, "--mtbf", "30h", "--json", str(per_worker)]) == 0  # 15 workers
     assert run([*common, "--job-mtbf", "2h", "--json", str(per_job)]) == 0
@@ -159,7 +153,7 @@ def test_job_mtbf_is_the_worker_mtbf_over_the_workers(
     with pytest.raises(SystemExit) as both:
         run([*common, "--mtbf", "30h", "--job-mtbf", "2h"])
     assert both.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
-    with pytest.raises(Exception, match="--job-mtbf must be above 0"):
+    with pytest.raises(InvalidInputError, match="--job-mtbf must be above 0"):
         run([*common, "--job-mtbf", "0"])
 
 
@@ -168,20 +162,7 @@ def test_a_trace_dense_with_failures_is_warned_about_before_the_run(
 ) -> None:
     monkeypatch.setattr("whatif.cli.DENSE_WORK", 0)
     monkeypatch.setattr("whatif.cli.DENSE_FAILURES", 30)  # 6h: ~60 failures, 2h job: ~12
-    job_file = tmp_path / "job.json"
-    job_file.write_text(JOB.model_dump_json())
-    common = [
-        "simulate",
-        str(job_file),
-        "--repair",
-        "1h",
-        "--duration",
-        "1d",
-        "--seed",
-        "4",
-        "--workers",
-        "1",
-    ]
+    common = simulate_args(tmp_path)
     assert run([*common, "--mtbf", "6h"]) == 0
     err = capsys.readouterr().err
     assert "failures over 24 h (--mtbf 6 h is per worker: 24 min for the job's 15 workers" in err, err
