@@ -295,7 +295,9 @@ def test_kill_the_store_mid_run_restart_it_then_kill_a_worker(store: list[Any], 
     reconnects and re-joins under v3 (the launcher's client reconnected too). Final parameters equal
     single-process training, every micro-batch counted once, and the survivors replayed at most one
     iteration per version change (none for the store's death)."""
-    job, n, victim, out = tiny_job(2, 2), 60, (1, 1), tmp_path / "run"
+    # 80 paced iterations: the run must outlast the store's restart (a Python start and a torch
+    # import, slower with the tests in two processes)
+    job, n, victim, out = tiny_job(2, 2), 80, (1, 1), tmp_path / "run"
     spec = LaunchSpec(job, asdict(CFG), n, out, pace_ms=250, store=("127.0.0.1", store[1]))
     launcher = Launcher(spec, planner_schedules(job))  # type: ignore[arg-type]
     everyone, survivors = spec.workers(), [w for w in spec.workers() if w != victim]
