@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -91,6 +92,9 @@ def _load(
 ) -> tuple[JobSpec, Costs, PlanCache, dict[str, Strategy], CheckpointRestart]:
     from planner.cli_io import read_document
 
+    for name, value in vars(args).items():  # `--repair=--`: argparse drops the "--" and gives []
+        if value == []:
+            raise InvalidInputError(f"--{name.replace('_', '-')} needs a value")
     job = read_document(args.job, JobSpec, "job spec")
     costs = Costs(
         checkpoint_s=args.checkpoint_cost,
@@ -429,6 +433,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             raise InvalidInputError(f"{flag} must be above 0")
     if args.job_mtbf is not None:
         args.mtbf = args.job_mtbf * num_workers
+        if not math.isfinite(args.mtbf):
+            raise InvalidInputError(f"--job-mtbf {args.job_mtbf:g} s over {num_workers} workers is too large")
     worker_mtbf = args.mtbf if args.mtbf is not None else args.gpu_mtbf / gpus
     if args.trace:
         events = read_trace(args.trace, job)
