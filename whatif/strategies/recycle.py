@@ -167,12 +167,12 @@ class BaselineSchedule(Strategy):
     def switch_s(self) -> float:
         return self.costs.reroute_s
 
-    def _cached(self, scenario: FailureScenario) -> dict[str, Any] | None:
-        rec = self.cache.get(normalize(self.job, scenario).key, kind=self.baseline)
+    def _cached(self, key: str) -> dict[str, Any] | None:
+        rec = self.cache.get(key, kind=self.baseline)
         return rec if rec is not None and rec.get("version") == BASELINE_RECORD_VERSION else None
 
     def replays(self, scenario: FailureScenario) -> tuple[str, ...]:
-        if lost_stages(self.job, scenario) or self._cached(scenario) is not None:
+        if lost_stages(self.job, scenario) or self._cached(normalize(self.job, scenario).key) is not None:
             return ()
         return (self.baseline,)
 
@@ -183,7 +183,7 @@ class BaselineSchedule(Strategy):
         if lost:
             return Outcome(None, f"stage(s) {lost} have no alive worker")
         key = normalize(self.job, scenario).key
-        rec = self._cached(scenario)
+        rec = self._cached(key)
         if rec is None:
             try:  # replayed on a reduced grid where the structure allows: same figures
                 iteration_ms, cold_ms = baseline_times(self.baseline, self.job, scenario)
