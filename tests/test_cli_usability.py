@@ -124,6 +124,32 @@ def test_unknown_top_level_flag_stays_top_level(capsys: pytest.CaptureFixture[st
     assert capsys.readouterr().err.startswith("usage: recycle [-h]")
 
 
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["plan", str(JOB), "--time-limit=--"], "--time-limit"),  # a typed flag
+        (["plan", str(JOB), "--fail", "0,0", "--fail=--"], "--fail"),  # an appending flag
+        (["validate", str(JOB), "s.json", "--iterations=--"], "--iterations"),
+        (["simulate", str(JOB), "--repair=--"], "--repair"),
+        (["serve", "--port=--"], "--port"),
+    ],
+)
+def test_a_flag_given_as_equals_dashdash_has_no_value(
+    capsys: pytest.CaptureFixture[str], argv: list[str], flag: str
+) -> None:
+    # argparse drops the "--" of `--X=--` and stores [] without calling the flag's type: the
+    # command got a list for a number or a path (a TypeError traceback in plan and simulate)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert f"error: argument {flag}: expected one argument" in capsys.readouterr().err
+
+
+def test_a_flag_left_at_an_empty_default_is_not_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # `plan`'s --fail defaults to []: only a given empty value is refused
+    assert main(["plan", str(JOB), "--no-cpsat", "--time-limit=1"]) == 0
+
+
 # ---------------------------------------------------------------- 4, 6: figures
 
 

@@ -92,9 +92,6 @@ def _load(
 ) -> tuple[JobSpec, Costs, PlanCache, dict[str, Strategy], CheckpointRestart]:
     from planner.cli_io import read_document
 
-    for name, value in vars(args).items():  # `--repair=--`: argparse drops the "--" and gives []
-        if value == []:
-            raise InvalidInputError(f"--{name.replace('_', '-')} needs a value")
     job = read_document(args.job, JobSpec, "job spec")
     costs = Costs(
         checkpoint_s=args.checkpoint_cost,
