@@ -133,6 +133,24 @@ def test_simulate_command_generated_and_csv(
     assert "recycle / oobleck" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    ("rows", "header"),
+    [
+        ("", "0 failures over 24.0 h, job MTBF above 24.00 h (no failure in the trace; Young/Daly"),
+        ("1h,0:1,fail\n", "1 failures over 24.0 h, job MTBF 24.00 h (the trace's)"),
+    ],
+)
+def test_a_trace_without_mtbf_says_where_the_job_mtbf_comes_from(
+    job_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], rows: str, header: str
+) -> None:
+    # duration / failures; a trace without failures has no MTBF to measure (it was printed as 24 h)
+    trace = tmp_path / "t.csv"
+    trace.write_text("time,worker,event\n" + rows)
+    args = ["simulate", str(job_file), "--trace", str(trace), "--duration", "1d", "--workers", "1"]
+    assert run(args) == 0
+    assert header in capsys.readouterr().out
+
+
 def test_bad_strategy_name_is_an_input_error(job_file: Path) -> None:
     with pytest.raises(InvalidInputError, match="unknown strategy"):
         run(["whatif", str(job_file), "--strategies", "recycle,magic"])

@@ -479,10 +479,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     prefetch(job, strategies, _failure_sets([e for e in events if e.time_s < args.duration]), args.workers)
     runs = play(strategies, progress=True)
+    played = sum(e.kind == "fail" and e.time_s < args.duration for e in events)
+    mtbf_text = f"job MTBF {job_mtbf / 3600:.2f} h"
+    if args.trace and args.mtbf is None:  # taken from the trace: duration / failures
+        mtbf_text = (
+            f"{mtbf_text} (the trace's)"
+            if played
+            else f"job MTBF above {job_mtbf / 3600:.2f} h (no failure in the trace; Young/Daly takes "
+            "the duration)"
+        )
     print(
-        f"{job.name}: {sum(e.kind == 'fail' and e.time_s < args.duration for e in events)} failures over "
-        f"{args.duration / 3600:.1f} h, "
-        f"job MTBF {job_mtbf / 3600:.2f} h, checkpoint every {interval / 60:.1f} min "
+        f"{job.name}: {played} failures over {args.duration / 3600:.1f} h, "
+        f"{mtbf_text}, checkpoint every {interval / 60:.1f} min "
         f"({'given' if costs.checkpoint_interval_s else 'Young/Daly'}), spares: {costs.spares}"
     )
     report = estimate_report(job, strategies, events, args.duration)
