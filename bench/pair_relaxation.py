@@ -99,7 +99,8 @@ def build_pair(job: JobSpec, scenario: FailureScenario) -> tuple[Pair, tuple[int
     if s > 0:
         chain = sum(prob.duration("B", pu, t) for t in range(last))
         chain += prob.duration("W", pu, 0) + job.allreduce_ms(0) + prob.duration("OPT", pu, 0)
-        chain += sum(prob.duration("F", pu, t) for t in range(s)) + (last + s) * hop(pu, pu)
+        chain += sum(prob.duration("F", pu, t) for t in range(s)) + last * hop(pu, pu)
+        chain += s * min(hop(pu, pu), hop(pu, fd))  # u's first op may be a re-routed micro-batch's F
     pair = Pair(machine(s), machine(last), own, extra, down, up, trip, chain)
     return pair, (pu, s), (pu, last)
 
