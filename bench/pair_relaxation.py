@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 from planner.bounds import load_bound, memory_bound
+from planner.cli import parse_args
 from planner.cli_io import read_document
 from planner.contract import FailureScenario, JobSpec
 from planner.errors import InvalidInputError
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=60.0, help="search time (default 60)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--orders", action="store_true", help="print the best orders found")
-    args = ap.parse_args(argv)
+    args = parse_args(ap, argv)  # refuses `--seconds=--` (argparse would store [])
     if not args.seconds > 0 or not math.isfinite(args.seconds):
         ap.error(f"--seconds {args.seconds}: a positive number")
     try:

@@ -145,3 +145,6 @@ def test_refuses_what_it_does_not_model(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["examples/gpt3-6.7b-p8d4.json", "--failed", "x"]) == 2
     assert main(["examples/gpt3-6.7b-p8d4.json", "--failed", "9,1"]) == 2
     assert "error:" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["examples/gpt3-6.7b-p8d4.json", "--failed", "1,1", "--seconds=--"])
+    assert "argument --seconds: expected one argument" in capsys.readouterr().err
