@@ -1,5 +1,6 @@
-"""The two saturated workers of a failed stage, alone: can their coupling force a period above the
-load bound? (issue 13; docs/planner.md, "What it does not do")
+"""Can a failed stage's busiest peer and its last-stage worker alone force a period above the load bound?
+
+Issue 13; docs/planner.md, "What it does not do".
 
     python -m bench.pair_relaxation JOB.json --failed D,S [--seconds 60] [--seed 1] [--orders]
 
