@@ -8,8 +8,9 @@ With one failed worker [D, S] the busiest alive peer `u` of stage S hosts its ow
 micro-batches and some re-routed ones; `v` is the last-stage worker of u's pipeline. The model
 keeps only u and v as machines, each with its memory capacity; the stages between them and the
 re-routed micro-batches' round trips become fixed delays (their fastest: no queueing), and v's B
-reaches u's next iteration through stage 0 (B path, W, all-reduce, OPT, F path). Dropping
-constraints only lowers the best period, so a period found here at the load bound shows that the
+reaches u's next iteration through stage 0 (B path, W, all-reduce, OPT, F path). Micro-batches
+keep the hosts the balanced allocation gives them (as the planner's do). Dropping constraints only
+lowers the best period, so a period found here at the load bound shows that, on those hosts, the
 pair forces no excess: no bound can come from it.
 
 For fixed orders the period is exact: the steady state of replaying them is the maximum cycle mean
@@ -88,7 +89,9 @@ def build_pair(job: JobSpec, scenario: FailureScenario) -> tuple[Pair, tuple[int
             w=prob.duration("W", pu, st),
             wrap=job.allreduce_ms(st) + prob.duration("OPT", pu, st),
             activation=prof.activation_mib,
-            weight_grad=prof.weight_grad_mib,
+            # a fused BW holds its activation to its end and no weight gradient: where the weight
+            # gradient is larger, a worker may run BW instead, so the model charges no more
+            weight_grad=min(prof.weight_grad_mib, prof.activation_mib),
             capacity=math.inf if cap is None else cap,
         )
 
@@ -259,10 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(ap, argv)  # refuses `--seconds=--` (argparse would store [])
     if not args.seconds > 0 or not math.isfinite(args.seconds):
         ap.error(f"--seconds {args.seconds}: a positive number")
+    where = args.failed.split(",")
+    if len(where) != 2 or not all(x.strip().isdigit() for x in where):
+        ap.error(f"--failed {args.failed}: give the failed worker as D,S (e.g. 1,4)")
     try:
         job = read_document(args.job, JobSpec, "job spec")
-        d, s = (int(x) for x in args.failed.split(","))
-        scenario = FailureScenario(failed=[(d, s)])
+        scenario = FailureScenario(failed=[(int(where[0]), int(where[1]))])
         pair, wu, wv = build_pair(job, scenario)
     except (InvalidInputError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

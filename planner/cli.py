@@ -240,16 +240,18 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 def _refuse_empty_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """`--X=--` is a flag with no value: argparse drops the "--" and stores [] (appends [] for an
     appending flag) without calling the flag's type, so the command would get a list where it
-    expects a number or a path. Report it as argparse reports a flag without its value (exit 2)."""
+    expects a number or a path (or no items where it needs one or more: nargs "+").
+    Report it as argparse reports a flag without its value (exit 2)."""
     for action in parser._actions:
-        if not action.option_strings or action.nargs not in (None, "?"):
+        if not action.option_strings or action.nargs not in (None, "?", "+"):
             continue
         value = getattr(args, action.dest, None)
         if value is action.default:  # not given (a default of [] stays the same object)
             continue
         appended = isinstance(action, argparse._AppendAction) and isinstance(value, list) and [] in value
         if value == [] or appended:
-            parser.error(f"argument {'/'.join(action.option_strings)}: expected one argument")
+            expected = "at least one argument" if action.nargs == "+" else "one argument"
+            parser.error(f"argument {'/'.join(action.option_strings)}: expected {expected}")
 
 
 def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:

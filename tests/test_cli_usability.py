@@ -145,6 +145,14 @@ def test_a_flag_given_as_equals_dashdash_has_no_value(
     assert f"error: argument {flag}: expected one argument" in capsys.readouterr().err
 
 
+def test_a_list_flag_given_as_equals_dashdash_has_no_items(capsys: pytest.CaptureFixture[str]) -> None:
+    # `bench --cases=--` stored [] and ran every case
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", str(JOB), "--cases=--"])
+    assert exc.value.code == 2
+    assert "error: argument --cases: expected at least one argument" in capsys.readouterr().err
+
+
 def test_a_flag_left_at_an_empty_default_is_not_refused(capsys: pytest.CaptureFixture[str]) -> None:
     # `plan`'s --fail defaults to []: only a given empty value is refused
     assert main(["plan", str(JOB), "--no-cpsat", "--time-limit=1"]) == 0

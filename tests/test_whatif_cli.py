@@ -136,7 +136,7 @@ def test_simulate_command_generated_and_csv(
 @pytest.mark.parametrize(
     ("rows", "header"),
     [
-        ("", "0 failures over 24.0 h, job MTBF above 24.00 h (no failure in the trace; Young/Daly"),
+        ("", "0 failures over 24.0 h, job MTBF above 24.00 h (no failure within --duration)"),
         ("1h,0:1,fail\n", "1 failures over 24.0 h, job MTBF 24.00 h (the trace's)"),
     ],
 )

@@ -485,8 +485,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         mtbf_text = (
             f"{mtbf_text} (the trace's)"
             if played
-            else f"job MTBF above {job_mtbf / 3600:.2f} h (no failure in the trace; Young/Daly takes "
-            "the duration)"
+            else f"job MTBF above {job_mtbf / 3600:.2f} h (no failure within --duration)"
         )
     print(
         f"{job.name}: {played} failures over {args.duration / 3600:.1f} h, "
