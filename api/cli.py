@@ -306,10 +306,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m api.cli --port ...`: the serve command on its own (used by tests and docker)."""
+    from planner.cli import parse_args  # refuses `--X=--` as `recycle serve` does
+
     parser = argparse.ArgumentParser(prog="recycle-serve")
     sub = parser.add_subparsers(dest="command")
     add_serve_parser(sub)
-    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    args = parse_args(parser, ["serve", *(sys.argv[1:] if argv is None else argv)])
     return int(args.func(args))
 
 

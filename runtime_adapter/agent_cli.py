@@ -280,10 +280,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m runtime_adapter.agent_cli agent ...`."""
+    from planner.cli import parse_args  # refuses `--X=--` as `recycle agent` does
+
     parser = argparse.ArgumentParser(prog="recycle")
     sub = parser.add_subparsers(dest="command", required=True)
     add_agent_parser(sub)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     try:
         return int(args.func(args))
     except InvalidInputError as e:

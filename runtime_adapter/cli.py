@@ -357,13 +357,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m runtime_adapter.cli`."""
+    from planner.cli import parse_args  # refuses `--X=--` as `recycle` does
+
     parser = argparse.ArgumentParser(prog="recycle-runtime")
     sub = parser.add_subparsers(dest="command", required=True)
     add_worker_parser(sub)
     add_launch_parser(sub)
     add_store_parser(sub)
     add_profile_parser(sub)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         return int(args.func(args))

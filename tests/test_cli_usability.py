@@ -4,6 +4,7 @@ read wrong, help texts. The real console command runs as a subprocess where the 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shutil
 import subprocess
@@ -141,6 +142,33 @@ def test_a_flag_given_as_equals_dashdash_has_no_value(
     # command got a list for a number or a path (a TypeError traceback in plan and simulate)
     with pytest.raises(SystemExit) as exc:
         main(argv)
+    assert exc.value.code == 2
+    assert f"error: argument {flag}: expected one argument" in capsys.readouterr().err
+
+
+AGENT_ARGS = ["agent", "--service", "http://127.0.0.1:1", "--job-id", "j", "--token", "t"]
+AGENT_ARGS += ["--workers", "0,0", "--store", "127.0.0.1:1", "--iterations", "1"]
+
+
+@pytest.mark.parametrize(
+    ("entry", "argv", "flag"),
+    [
+        ("api.cli", ["--port=--"], "--port"),
+        ("runtime_adapter.cli", ["store", "--port=--"], "--port"),
+        (
+            "runtime_adapter.agent_cli",
+            [*AGENT_ARGS, "--pace-ms=--"],
+            "--pace-ms",
+        ),
+    ],
+)
+def test_the_standalone_entry_points_refuse_equals_dashdash_too(
+    capsys: pytest.CaptureFixture[str], entry: str, argv: list[str], flag: str
+) -> None:
+    # `python -m api.cli` (docker), `python -m runtime_adapter.cli` (launched workers), the agent
+    entry_main = importlib.import_module(entry).main
+    with pytest.raises(SystemExit) as exc:
+        entry_main(argv)
     assert exc.value.code == 2
     assert f"error: argument {flag}: expected one argument" in capsys.readouterr().err
 
