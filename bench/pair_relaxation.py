@@ -285,7 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     t0 = time.perf_counter()
-    best, su, sv = search(pair, args.seconds, args.seed, target=lb, report=True)
+    try:
+        best, su, sv = search(pair, args.seconds, args.seed, target=lb, report=True)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     print(
         f"best period {best:.3f} ms, {best / lb:.4f}x the load bound, {best / mb:.4f}x the memory-aware "
         f"bound, after {time.perf_counter() - t0:.1f} s"
