@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from planner.bounds import load_bound, memory_bound
 from planner.cli import parse_args
-from planner.cli_io import read_document
+from planner.cli_io import parse_worker, read_document
 from planner.contract import FailureScenario, JobSpec
 from planner.errors import InvalidInputError
 from planner.problem import Problem
@@ -216,6 +216,12 @@ def initial_orders(pair: Pair) -> tuple[str, str]:
         warm -= 1
 
 
+def move(order: str, i: int, j: int) -> str:
+    """`order` with its op at position i moved to position j (the search's step)."""
+    rest = order[:i] + order[i + 1 :]
+    return rest[:j] + order[i] + rest[j:]
+
+
 def search(
     pair: Pair, seconds: float, seed: int, target: float = 0.0, report: bool = False
 ) -> tuple[float, str, str]:
@@ -236,8 +242,7 @@ def search(
         i, j = rng.randrange(len(order)), rng.randrange(len(order))
         if i == j:
             continue
-        moved = order[:i] + order[i + 1 :]
-        moved = moved[:j] + order[i] + moved[j:]
+        moved = move(order, i, j)
         if not valid(mach, moved):
             continue
         value = period(pair, moved, sv) if on_u else period(pair, su, moved)
@@ -262,12 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(ap, argv)  # refuses `--seconds=--` (argparse would store [])
     if not args.seconds > 0 or not math.isfinite(args.seconds):
         ap.error(f"--seconds {args.seconds}: a positive number")
-    where = args.failed.split(",")
-    if len(where) != 2 or not all(x.strip().isdigit() for x in where):
+    try:
+        failed = parse_worker(args.failed, "--failed")
+    except InvalidInputError:
         ap.error(f"--failed {args.failed}: give the failed worker as D,S (e.g. 1,4)")
     try:
         job = read_document(args.job, JobSpec, "job spec")
-        scenario = FailureScenario(failed=[(int(where[0]), int(where[1]))])
+        scenario = FailureScenario(failed=[failed])
         pair, wu, wv = build_pair(job, scenario)
     except (InvalidInputError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

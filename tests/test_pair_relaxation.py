@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.pair_relaxation import Machine, Pair, build_pair, initial_orders, main, period, search, valid
+from bench.pair_relaxation import Machine, Pair, build_pair, initial_orders, main, move, period, search, valid
 from planner.bounds import load_bound
 from planner.contract import FailureScenario
 from planner.errors import InvalidInputError
@@ -76,9 +76,7 @@ def random_orders(pair: Pair, rng: random.Random, moves: int = 200) -> tuple[str
     for _ in range(moves):
         on_u = rng.random() < 0.6
         order, mach = (su, pair.u) if on_u else (sv, pair.v)
-        i, j = rng.randrange(len(order)), rng.randrange(len(order))
-        moved = order[:i] + order[i + 1 :]
-        moved = moved[:j] + order[i] + moved[j:]
+        moved = move(order, rng.randrange(len(order)), rng.randrange(len(order)))
         if valid(mach, moved) and math.isfinite(period(pair, *((moved, sv) if on_u else (su, moved)))):
             su, sv = (moved, sv) if on_u else (su, moved)
     return su, sv

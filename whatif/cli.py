@@ -435,7 +435,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     worker_mtbf = args.mtbf if args.mtbf is not None else args.gpu_mtbf / gpus
     if args.trace:
         events = read_trace(args.trace, job)
-        failures = sum(e.kind == "fail" and e.time_s < args.duration for e in events)
         late = sum(e.time_s >= args.duration for e in events)
         if late:
             print(
@@ -443,10 +442,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 f"{args.duration / 3600:.1f} h are not played (give a longer --duration to include them)",
                 file=sys.stderr,
             )
-        job_mtbf = args.mtbf / num_workers if args.mtbf is not None else args.duration / max(1, failures)
     else:
         events = generate_trace(job, worker_mtbf, args.repair, args.duration, args.seed)
-        job_mtbf = worker_mtbf / num_workers
+    played = sum(e.kind == "fail" and e.time_s < args.duration for e in events)
+    from_trace = bool(args.trace) and args.mtbf is None  # the job MTBF is duration / failures
+    job_mtbf = args.duration / max(1, played) if from_trace else worker_mtbf / num_workers
     _warn_if_dense(events, args, job_mtbf, num_workers)
     if args.write_trace:
         from planner.cli_io import make_parent
@@ -479,9 +479,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     prefetch(job, strategies, _failure_sets([e for e in events if e.time_s < args.duration]), args.workers)
     runs = play(strategies, progress=True)
-    played = sum(e.kind == "fail" and e.time_s < args.duration for e in events)
     mtbf_text = f"job MTBF {job_mtbf / 3600:.2f} h"
-    if args.trace and args.mtbf is None:  # taken from the trace: duration / failures
+    if from_trace:
         mtbf_text = (
             f"{mtbf_text} (the trace's)"
             if played
